@@ -1,0 +1,186 @@
+"""`th`: the command line. Commands parse, call one module, print; no logic lives here.
+
+Exit codes: 0 ok; 1 the operation failed (hub unreachable, start-up timed out);
+2 bad input (spec problems, unknown cluster or node); 3 not available yet.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import typer
+from rich.console import Console
+
+from . import spec as specmod
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="TensorHub: move LLM weights by reference.")
+spec_app = typer.Typer(no_args_is_help=True, help="Check a cluster spec or print its JSON Schema.")
+app.add_typer(spec_app, name="spec")
+out = Console()
+err = Console(stderr=True)
+
+ClusterOpt = typer.Option(None, "-c", "--cluster", help="cluster started by `th up` (default: the only/last one)")
+
+
+def fail(message: str, code: int) -> None:
+    typer.echo(message, err=True)  # plain: problem lines must not be wrapped or styled
+    raise typer.Exit(code)
+
+
+@spec_app.command("check")
+def spec_check(file: Path = typer.Argument(..., help="cluster YAML")) -> None:
+    """Validate FILE; print one `path.to.field: message` line per problem."""
+    try:
+        s = specmod.load(file)
+    except specmod.SpecError as exc:
+        fail("\n".join(exc.lines), 2)
+    out.print(f"{file}: ok — cluster {s.name!r}, {len(s.nodes())} nodes, launcher {s.launcher}", highlight=False)
+
+
+@spec_app.command("schema")
+def spec_schema() -> None:
+    """Print the cluster spec's JSON Schema."""
+    print(json.dumps(specmod.schema(), indent=2))
+
+
+@app.command()
+def up(file: Path = typer.Argument(..., help="cluster YAML"),
+       timeout: float = typer.Option(30.0, help="seconds to wait for every agent to register")) -> None:
+    """Start the hub and one agent per node, and wait until all have registered."""
+    from .launch.cluster import AlreadyRunning, UpError, up as do_up
+
+    try:
+        s = specmod.load(file)
+    except specmod.SpecError as exc:
+        fail("\n".join(exc.lines), 2)
+    try:
+        state = do_up(s, file, timeout=timeout, log=lambda line: out.print(line, highlight=False))
+    except AlreadyRunning as exc:
+        out.print(f"{exc}; nothing changed", highlight=False)
+        return
+    except UpError as exc:
+        fail(f"th up: {exc}\n(everything started was stopped again)", 1)
+    out.print(f"cluster {state.cluster!r} is up: {len(state.procs) - 1} agents registered with {state.hub_address}",
+              highlight=False)
+
+
+@app.command()
+def down(cluster: Optional[str] = ClusterOpt) -> None:
+    """Stop every process `th up` started for the cluster (by recorded PID, if still ours)."""
+    from .launch.cluster import down as do_down
+    from .launch.state import pick_cluster
+
+    try:
+        name = pick_cluster(cluster)
+        do_down(name, log=lambda line: out.print(line, highlight=False))
+    except LookupError as exc:
+        fail(f"th down: {exc.args[0]}", 2)
+    out.print(f"cluster {name!r} is down")
+
+
+def _load_running(cluster: Optional[str]):
+    from .launch.state import pick_cluster, read_state
+
+    try:
+        name = pick_cluster(cluster)
+    except LookupError as exc:
+        fail(f"th: {exc.args[0]}", 2)
+    state = read_state(name)
+    if state is None:
+        fail(f"th: cluster {name!r} is not running", 2)
+    return name, state
+
+
+@app.command()
+def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json"),
+           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C")) -> None:
+    """Hub, nodes (alive, heartbeat age) and versions."""
+    from .hub import protocol as p
+    from .hub.client import HubClient, HubError, HubUnreachable
+    from .launch.procs import is_ours
+    from .launch.state import read_token
+    from .ui.status import render_status
+
+    if watch:
+        fail("th status --watch: not available yet", 3)
+    name, state = _load_running(cluster)
+    client = HubClient(state.hub_address, read_token(name))
+    try:
+        reply, problem = client.call(p.Status(), timeout=3.0), None
+    except (HubUnreachable, HubError) as exc:
+        reply, problem = None, str(exc)
+    finally:
+        client.close()
+    alive = {r.pid: is_ours(r) for r in state.procs}
+    if as_json:
+        doc = {
+            "cluster": name,
+            "hub": {"address": state.hub_address, "reachable": reply is not None, "error": problem,
+                    "pid": state.procs[0].pid if state.procs else None},
+            "processes": [{"role": r.role, "node": r.node, "pid": r.pid, "running": alive[r.pid], "log": r.log}
+                          for r in state.procs],
+            "status": msgspec.to_builtins(reply) if reply else None,
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        render_status(out, state, reply, alive)
+        if problem:
+            err.print(f"hub: {problem}", markup=False)
+    if reply is None:
+        raise typer.Exit(1)
+
+
+@app.command()
+def logs(node: str = typer.Argument(..., help="node name, or 'hub'"), cluster: Optional[str] = ClusterOpt,
+         follow: bool = typer.Option(False, "--follow", "-f"), lines: int = typer.Option(50, "-n")) -> None:
+    """Print (or follow) the logs of the processes on NODE."""
+    name, state = _load_running(cluster)
+    recs = [r for r in state.procs if r.node == node or r.role == node]
+    if not recs:
+        fail(f"th logs: no process on node {node!r} in cluster {name!r} "
+             f"(nodes: {', '.join(sorted({r.node for r in state.procs}))})", 2)
+    paths = [Path(r.log) for r in recs]
+    for path in paths:
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        for line in text[-lines:]:
+            print(f"{path.stem}: {line}")
+    if follow:
+        offsets = {p: p.stat().st_size if p.exists() else 0 for p in paths}
+        try:
+            while True:
+                for path in paths:
+                    if path.exists() and path.stat().st_size > offsets[path]:
+                        with open(path, errors="replace") as f:
+                            f.seek(offsets[path])
+                            chunk = f.read()
+                            offsets[path] = f.tell()
+                        for line in chunk.splitlines():
+                            print(f"{path.stem}: {line}", flush=True)
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+
+
+def _not_yet(name: str, issue: str):
+    def command(ctx: typer.Context) -> None:
+        fail(f"th {name}: not available yet (lands with the {issue} issue)", 3)
+
+    app.command(name, help=f"(not available yet: lands with the {issue} issue)", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+for _name, _issue in (("publish", "data-plane"), ("sync", "data-plane"), ("versions", "hub"),
+                      ("scale", "RL-loop"), ("failover", "RL-loop"), ("bench", "hub")):
+    _not_yet(_name, _issue)
+
+
+def main() -> None:
+    app(prog_name="th")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Hub process: ``python -m tensorhub_cli.hub --bind tcp://ADDR:PORT --token-file F``.
+
+Exits 0 on SIGTERM/SIGINT after closing its socket; exits 1 with a one-line message
+when it cannot bind (port taken, address not local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import zmq
+
+from .service import HubService
+from .state import Hub, HubConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tensorhub_cli.hub")
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--token-file", required=True)
+    ap.add_argument("--cluster", default="tensorhub")
+    ap.add_argument("--expiry-s", type=float, default=5.0)
+    ap.add_argument("--metrics-port", type=int, default=None)
+    ap.add_argument("--metrics-addr", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(levelname)s %(message)s")
+    with open(args.token_file, encoding="utf-8") as f:
+        token = f.read().strip()
+    hub = Hub(HubConfig(cluster=args.cluster, expiry_s=args.expiry_s))
+    try:
+        service = HubService(hub, token, args.bind)
+    except zmq.ZMQError as exc:
+        print(f"hub: cannot bind {args.bind}: {exc}", file=sys.stderr)
+        return 1
+    if args.metrics_port:
+        from .metrics import serve_metrics
+
+        serve_metrics(hub, time.monotonic, args.metrics_addr, args.metrics_port)
+    logging.info("hub for cluster %s listening on %s", args.cluster, args.bind)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await service.serve(stop)
+
+    asyncio.run(run())
+    logging.info("hub stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Blocking request/reply client for the hub (one DEALER socket, explicit timeouts).
+
+Protocol: ``call(op, timeout)`` sends one ``Request`` and returns the matching reply
+body, or raises ``HubUnreachable`` after ``timeout`` seconds, or ``HubError`` when
+the hub answered with an ``Error``. Replies to other request ids (late answers to a
+call that already timed out) are dropped. Frames the hub pushes unasked (``rid == 0``,
+commands for agents) are queued in ``pushed``. Not thread-safe: one client per thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import zmq
+
+from . import protocol as p
+
+
+class HubError(Exception):
+    def __init__(self, error: p.Error):
+        super().__init__(f"{error.code}: {error.message}")
+        self.error = error
+        self.code = error.code
+
+
+class HubUnreachable(Exception):
+    pass
+
+
+class HubClient:
+    def __init__(self, address: str, token: str, *, source: str | None = None, ctx: zmq.Context | None = None):
+        """``source``: local IP to connect from, so a node's traffic leaves from its own address."""
+        self.address = address
+        self._token = token
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        endpoint = address
+        if source:
+            host_port = address.removeprefix("tcp://")
+            endpoint = f"tcp://{source}:0;{host_port}"
+        self._sock.connect(endpoint)
+        self._rids = itertools.count(1)
+        self.pushed: deque[p.Body] = deque()
+
+    def send(self, op: p.Op) -> int:
+        rid = next(self._rids)
+        self._sock.send(p.encode(p.Request(v=p.PROTOCOL_VERSION, token=self._token, rid=rid, op=op)))
+        return rid
+
+    def wait(self, rid: int, timeout: float) -> p.Body:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    raise HubUnreachable(f"no reply from hub at {self.address} within {timeout:.1f}s")
+                continue
+            reply = p.decode_reply(self._sock.recv())
+            if reply.rid == 0:
+                self.pushed.append(reply.body)
+            elif reply.rid == rid:
+                if isinstance(reply.body, p.Error):
+                    raise HubError(reply.body)
+                return reply.body
+
+    def call(self, op: p.Op, timeout: float = 5.0) -> p.Body:
+        return self.wait(self.send(op), timeout)
+
+    def poll_pushed(self, timeout: float) -> None:
+        """Read pushed frames for up to ``timeout`` seconds (agents call this between beats)."""
+        if self._sock.poll(int(timeout * 1000)):
+            reply = p.decode_reply(self._sock.recv())
+            if reply.rid == 0:
+                self.pushed.append(reply.body)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,42 @@
+"""Prometheus view of the hub: read at scrape time from the state machine's counters.
+
+Why a collector and not Counter objects: the hub already keeps its counters (they go
+out in ``th status --json`` too); reading them at scrape time keeps one source of truth.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .state import Hub
+
+
+class HubCollector:
+    def __init__(self, hub: Hub, clock):
+        self.hub = hub
+        self.clock = clock
+
+    def collect(self):
+        status = self.hub.status(self.clock())
+        ops = CounterMetricFamily("tensorhub_hub_events", "hub events by kind", labels=["kind"])
+        for key, value in sorted(status.counters.items()):
+            ops.add_metric([key], value)
+        yield ops
+        eps = GaugeMetricFamily("tensorhub_endpoints", "registered endpoints", labels=["kind"])
+        for kind in ("endpoint", "agent"):
+            eps.add_metric([kind], sum(1 for e in status.endpoints if e.kind == kind))
+        yield eps
+        versions = GaugeMetricFamily("tensorhub_versions", "versions known", labels=["state"])
+        for state in ("STAGING", "READY", "UNAVAILABLE"):
+            versions.add_metric([state], sum(1 for v in status.versions if v.state == state))
+        yield versions
+        yield GaugeMetricFamily(
+            "tensorhub_replicas", "replicas registered", value=sum(v.replicas for v in status.versions)
+        )
+
+
+def serve_metrics(hub: Hub, clock, addr: str, port: int):
+    registry = CollectorRegistry()
+    registry.register(HubCollector(hub, clock))
+    return start_http_server(port, addr=addr, registry=registry)

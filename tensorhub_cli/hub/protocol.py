@@ -1,0 +1,265 @@
+"""The hub's wire protocol: msgspec Structs over ZeroMQ, one message type per operation.
+
+Framing. A client (DEALER) sends one frame: a msgpack ``Request`` envelope carrying the
+protocol version ``v``, the cluster ``token``, a request id ``rid`` chosen by the client,
+and exactly one operation body. The hub (ROUTER) answers each request with one
+``Reply`` carrying the same ``rid``; a reply may come later than other replies
+(``Unpublish`` is acknowledged only after its drain). The hub may also push ``Reply``
+frames with ``rid == 0`` to an agent (a ``Command``, e.g. a retention pull).
+
+Rules. A frame larger than ``MAX_FRAME`` bytes, one that does not decode, one with a
+foreign ``v`` or a token that does not match is answered with an ``Error`` and counted;
+it never changes hub state. Bodies are tagged unions, so adding an operation is adding
+a Struct; changing a field's meaning is a new protocol version.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 8 << 20  # a 10k-tensor manifest is ~1 MiB; anything bigger is a bug or an attack
+
+
+class Msg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# --- data carried by operations ------------------------------------------------------
+
+
+class TensorMeta(Msg):
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    offset: int  # byte offset in the shard's flat layout; chunks are slices of that layout
+
+
+class ChunkMeta(Msg):
+    nbytes: int
+    checksum: int  # XXH3-64 of the chunk's bytes
+
+
+class Manifest(Msg):
+    """One shard's tensors and the chunks its flat layout is cut into."""
+
+    tensors: list[TensorMeta]
+    chunks: list[ChunkMeta]
+    chunk_bytes: int
+
+
+class EndpointInfo(Msg):
+    name: str
+    node: str
+    dc: str = ""
+    rack: str = ""
+    role: str = ""
+    kind: Literal["endpoint", "agent"] = "endpoint"
+    reliable: bool = True
+    tier: Literal["device", "host"] = "host"
+    group: Optional[str] = None
+    engine: str = "tcp"
+    engine_meta: bytes = b""  # what a peer needs to read from us (NIXL agent metadata, host:port)
+    pid: int = 0
+
+
+class Holding(Msg):
+    """What an endpoint holds of one version, sent again after a hub restart."""
+
+    model: str
+    version: int
+    world: int
+    shards: list[Manifest]  # for a publisher: only its own shard, at index 0
+    rank: int = -1  # >= 0: a publisher's shard; -1: a reader's (full manifest) replica
+    held: list[int] = []  # global chunk ids (readers); publishers hold their whole shard
+
+
+# --- operations ----------------------------------------------------------------------
+
+
+class Register(Msg, tag="register"):
+    info: EndpointInfo
+    holdings: list[Holding] = []
+
+
+class Heartbeat(Msg, tag="heartbeat"):
+    name: str
+
+
+class Deregister(Msg, tag="deregister"):
+    name: str
+
+
+class Publish(Msg, tag="publish"):
+    name: str
+    model: str
+    version: int
+    manifest: Manifest
+    rank: int = 0
+    world: int = 1
+
+
+class Resolve(Msg, tag="resolve"):
+    name: str
+    model: str
+    version: Optional[int] = None  # None: latest READY
+    group: Optional[str] = None
+
+
+class Plan(Msg, tag="plan"):
+    name: str
+    model: str
+    version: int
+    window: int = 32
+
+
+class Progress(Msg, tag="progress"):
+    name: str
+    model: str
+    version: int
+    chunks: list[int]
+
+
+class Cancel(Msg, tag="cancel"):
+    name: str
+    model: str
+    version: int
+
+
+class Unpublish(Msg, tag="unpublish"):
+    name: str
+    model: str
+    version: int
+
+
+class Status(Msg, tag="status"):
+    pass
+
+
+class Versions(Msg, tag="versions"):
+    model: Optional[str] = None
+
+
+Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions]
+
+
+class Request(Msg):
+    v: int
+    token: str
+    rid: int
+    op: Op
+
+
+# --- replies -------------------------------------------------------------------------
+
+
+class Error(Msg, tag="error"):
+    code: str  # auth, malformed, too_large, version, unknown_endpoint, conflict, not_found, unavailable, ...
+    message: str
+    missing: list[int] = []  # for code == "unavailable": chunk ids no live endpoint holds
+
+
+class Ok(Msg, tag="ok"):
+    pass
+
+
+class Resolved(Msg, tag="resolved"):
+    model: str
+    version: int
+    world: int
+    shards: list[Manifest]
+    round: int = 0
+
+
+class Read(Msg):
+    chunk: int
+    source: str
+
+
+class Source(Msg):
+    name: str
+    node: str
+    engine: str
+    engine_meta: bytes
+
+
+class Planned(Msg, tag="planned"):
+    reads: list[Read]  # every read outstanding for this reader, old and new
+    sources: list[Source]  # the endpoints those reads name
+    waiting: int = 0  # chunks held only beyond a DC link whose seed is still filling
+    complete: bool = False  # the reader already holds every chunk
+
+
+class Command(Msg, tag="command"):
+    """Hub → agent: pull ``model@version`` into host memory and publish it (retention)."""
+
+    action: Literal["retain"]
+    model: str
+    version: int
+
+
+class EndpointStatus(Msg):
+    name: str
+    node: str
+    role: str
+    kind: str
+    alive: bool
+    heartbeat_age_s: float
+    replicas: int
+
+
+class VersionStatus(Msg):
+    model: str
+    version: int
+    state: str
+    chunks: int
+    nbytes: int
+    replicas: int
+    complete_replicas: int
+
+
+class StatusReply(Msg, tag="status"):
+    cluster: str
+    uptime_s: float
+    endpoints: list[EndpointStatus]
+    versions: list[VersionStatus]
+    counters: dict[str, float]
+
+
+class VersionsReply(Msg, tag="versions"):
+    versions: list[VersionStatus]
+
+
+Body = Union[Error, Ok, Resolved, Planned, Command, StatusReply, VersionsReply]
+
+
+class Reply(Msg):
+    v: int
+    rid: int
+    body: Body
+
+
+_req_enc = msgspec.msgpack.Encoder()
+_req_dec = msgspec.msgpack.Decoder(Request)
+_rep_dec = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    return _req_enc.encode(msg)
+
+
+def decode_request(frame: bytes) -> Request:
+    return _req_dec.decode(frame)
+
+
+def decode_reply(frame: bytes) -> Reply:
+    return _rep_dec.decode(frame)
+
+
+def manifest_digest(world: int, shards: list[Manifest]) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(_req_enc.encode([world, shards]))

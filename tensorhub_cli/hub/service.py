@@ -1,0 +1,117 @@
+"""The hub service: an asyncio ZeroMQ ROUTER around the pure ``Hub``.
+
+Protocol: one frame in, one ``Reply`` out per request (see ``protocol``). The service
+owns everything the state machine must not: the socket, the clock, authentication,
+size limits, the periodic expiry sweep, and prometheus metrics. Every refusal is
+answered and counted under ``errors.<code>``; no frame a peer sends can raise out of
+the receive loop. Ops run one at a time on one thread, so the state machine needs no
+locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+from .state import Hub, HubFault
+
+log = logging.getLogger("tensorhub.hub")
+
+_DISPATCH = {
+    p.Register: "register",
+    p.Heartbeat: "heartbeat",
+    p.Deregister: "deregister",
+    p.Publish: "publish",
+    p.Resolve: "resolve",
+    p.Plan: "plan",
+    p.Progress: "progress",
+    p.Cancel: "cancel",
+    p.Unpublish: "unpublish",
+    p.Versions: "versions",
+}
+
+
+class HubService:
+    def __init__(self, hub: Hub, token: str, bind: str, *, clock=time.monotonic, sweep_s: float | None = None):
+        self.hub = hub
+        self._token = token.encode()
+        self.bind = bind
+        self.clock = clock
+        self.sweep_s = sweep_s or max(0.05, hub.config.expiry_s / 5)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # zmq drops a peer whose frame exceeds this; frames below it but above MAX_FRAME
+        # still get an answer, so a client learns why.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_FRAME)
+        self._sock.bind(bind)
+        self.hub.started_at = clock()
+
+    def _refuse(self, rid: int, code: str, message: str) -> bytes:
+        self.hub.count(f"errors.{code}")
+        return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=rid, body=p.Error(code=code, message=message)))
+
+    def handle(self, frames: list[bytes]) -> bytes:
+        """One request frame → one encoded reply. Never raises."""
+        if len(frames) != 1:
+            return self._refuse(0, "malformed", f"expected 1 frame, got {len(frames)}")
+        frame = frames[0]
+        if len(frame) > p.MAX_FRAME:
+            return self._refuse(0, "too_large", f"frame of {len(frame)} bytes exceeds {p.MAX_FRAME}")
+        try:
+            req = p.decode_request(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(0, "malformed", f"undecodable request: {exc}")
+        if req.v != p.PROTOCOL_VERSION:
+            return self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})")
+        if not hmac.compare_digest(req.token.encode(), self._token):
+            return self._refuse(req.rid, "auth", "bad cluster token")
+        now = self.clock()
+        try:
+            if isinstance(req.op, p.Status):
+                body = self.hub.status(now)
+            else:
+                method = getattr(self.hub, _DISPATCH[type(req.op)], None)
+                if method is None:
+                    raise HubFault("unsupported", f"operation {type(req.op).__name__} is not available yet")
+                body = method(now, req.op)
+        except HubFault as fault:
+            self.hub.count(f"errors.{fault.code}")
+            body = fault.as_error()
+        except Exception as exc:  # a bug in the state machine must not take the hub down
+            log.exception("operation %s failed", type(req.op).__name__)
+            return self._refuse(req.rid, "internal", f"{type(exc).__name__}: {exc}")
+        self.hub.count("ops")
+        return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=req.rid, body=body))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            for name in self.hub.expire(self.clock()):
+                log.warning("endpoint %s expired", name)
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        sweeper = asyncio.create_task(self._sweep())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                recv = asyncio.ensure_future(self._sock.recv_multipart())
+                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if recv not in done:
+                    recv.cancel()
+                    break
+                ident, *frames = recv.result()
+                await self._sock.send_multipart([ident, self.handle(frames)])
+        finally:
+            sweeper.cancel()
+            stopper.cancel()
+            self._sock.close(linger=0)
+            self._ctx.term()

@@ -1,0 +1,185 @@
+"""The cluster spec as typed data.
+
+Protocol: a spec is parsed once (``spec.load``), validated field by field here
+(pydantic, ``extra="forbid"`` so a typo is an error, not a silent default) and then
+across fields (``spec.checks``). Everything downstream — launchers, the hub's topology,
+the CLI — reads only these models, never the raw YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+# Names end up in file paths, ZeroMQ identities and metric labels: keep them plain.
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HubSpec(Strict):
+    node: str = Field(description="node that runs the hub")
+    port: int = Field(default=7700, ge=1, le=65535)
+    metrics_port: Optional[int] = Field(
+        default=None, ge=1, le=65535, description="prometheus /metrics; off when absent"
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0, le=60, description="endpoint heartbeat period")
+    expiry_s: float = Field(
+        default=5.0, gt=0, le=600, description="silence after which an endpoint is expired"
+    )
+
+    @model_validator(mode="after")
+    def _expiry_covers_heartbeats(self) -> "HubSpec":
+        if self.expiry_s < 2 * self.heartbeat_s:
+            raise ValueError("expiry_s must be at least twice heartbeat_s, or one late beat expires a live node")
+        return self
+
+
+class AuthSpec(Strict):
+    token: Optional[str] = Field(default=None, min_length=16, description="inline cluster token")
+    token_file: Optional[str] = Field(default=None, description="file holding the token, relative to the spec")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AuthSpec":
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        return self
+
+
+class SshSpec(Strict):
+    user: Optional[str] = None
+    port: Optional[int] = Field(default=None, ge=1, le=65535)
+    key_file: Optional[str] = None
+    known_hosts: Optional[str] = None
+    strict_host_keys: Optional[bool] = None
+    connect_timeout_s: Optional[float] = Field(default=None, gt=0, le=300)
+
+
+class SshDefaults(SshSpec):
+    port: Optional[int] = Field(default=22, ge=1, le=65535)
+    known_hosts: Optional[str] = "~/.ssh/known_hosts"
+    strict_host_keys: Optional[bool] = True
+    connect_timeout_s: Optional[float] = Field(default=10.0, gt=0, le=300)
+
+
+class Bootstrap(Strict):
+    python: Optional[str] = Field(default=None, description="python executable on the node")
+    prefix: Optional[str] = Field(
+        default=None, description="shell prefix run before python, e.g. 'source ~/venv/bin/activate &&'"
+    )
+
+
+class NodeSpec(Strict):
+    name: Name
+    address: str = Field(min_length=1, max_length=253)
+    gpus: int = Field(default=0, ge=0, le=64)
+    nic_gbps: float = Field(default=10.0, gt=0, le=10000)
+    labels: dict[str, str] = Field(default_factory=dict)
+    spot: bool = False
+    ssh: Optional[SshSpec] = None
+    bootstrap: Optional[Bootstrap] = None
+
+
+class RackSpec(Strict):
+    name: Name
+    nodes: list[NodeSpec] = Field(min_length=1)
+
+
+class DatacenterSpec(Strict):
+    name: Name
+    racks: list[RackSpec] = Field(min_length=1)
+
+
+class LinkSpec(Strict):
+    between: tuple[str, str] = Field(description="the two datacenters this link joins")
+    gbps: float = Field(gt=0, le=10000)
+    rtt_ms: float = Field(default=0.0, ge=0, le=10000)
+
+
+class TopologySpec(Strict):
+    datacenters: list[DatacenterSpec] = Field(min_length=1)
+    links: list[LinkSpec] = Field(default_factory=list)
+
+
+class Selector(Strict):
+    nodes: Optional[list[str]] = Field(default=None, description="node names")
+    labels: Optional[dict[str, str]] = Field(default=None, description="labels a node must all carry")
+
+
+class Runner(Strict):
+    command: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+
+
+class RoleSpec(Strict):
+    count: int = Field(ge=0, le=100000)
+    select: Selector = Field(default_factory=Selector, description="which nodes may run this role")
+    runner: Optional[Runner] = None
+    group_size: int = Field(default=1, ge=1, le=4096, description="ranks per model-parallel instance")
+
+
+class RetainSpec(Strict):
+    keep_latest: int = Field(default=2, ge=1, le=1000)
+    min_reliable_copies: int = Field(default=1, ge=0, le=1000)
+
+
+class ModelSpec(Strict):
+    name: Name
+    chunk_mb: float = Field(default=16.0, gt=0, le=4096)
+    retain: RetainSpec = Field(default_factory=RetainSpec)
+
+
+class ClusterSpec(Strict):
+    name: Name
+    hub: HubSpec
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    launcher: Literal["local", "ssh"] = "local"
+    ssh: SshDefaults = Field(default_factory=SshDefaults)
+    engine: Literal["nixl", "tcp"] = "nixl"
+    topology: TopologySpec
+    roles: dict[str, RoleSpec] = Field(default_factory=dict)
+    models: list[ModelSpec] = Field(default_factory=list)
+
+    # --- derived views (pure) -------------------------------------------------------
+
+    def nodes(self) -> list["PlacedNode"]:
+        return [
+            PlacedNode(dc=dc.name, rack=rack.name, spec=node)
+            for dc in self.topology.datacenters
+            for rack in dc.racks
+            for node in rack.nodes
+        ]
+
+    def node(self, name: str) -> "PlacedNode":
+        for placed in self.nodes():
+            if placed.spec.name == name:
+                return placed
+        raise KeyError(name)
+
+    def ssh_for(self, node: NodeSpec) -> SshDefaults:
+        """Cluster ssh defaults with the node's own overrides applied."""
+        if node.ssh is None:
+            return self.ssh
+        override = node.ssh.model_dump(exclude_none=True)
+        return self.ssh.model_copy(update=override)
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class PlacedNode(BaseModel):
+    """A node with its place in the topology tree."""
+
+    model_config = ConfigDict(frozen=True)
+    dc: str
+    rack: str
+    spec: NodeSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name

@@ -1,0 +1,57 @@
+"""Rich renderings of hub status (tables only; no I/O beyond the console given)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..hub import protocol as p
+from ..launch.state import ClusterState
+
+
+def _age(s: float) -> str:
+    return f"{s:.1f}s"
+
+
+def render_status(console: Console, state: ClusterState, status: p.StatusReply | None, alive: dict[int, bool]) -> None:
+    hub_rec = next((r for r in state.procs if r.role == "hub"), None)
+    hub_line = f"[bold]{state.cluster}[/]  hub {state.hub_address}"
+    if status is None:
+        hub_line += "  [red]unreachable[/]"
+    else:
+        hub_line += f"  [green]up[/] {_age(status.uptime_s)}"
+    if hub_rec is not None:
+        hub_line += f"  pid {hub_rec.pid}" + ("" if alive.get(hub_rec.pid) else " [red](not running)[/]")
+    console.print(hub_line)
+
+    seen = {e.name: e for e in status.endpoints} if status else {}
+    nodes = Table("node", "agent", "alive", "heartbeat", "pid", title="nodes", title_justify="left")
+    for rec in (r for r in state.procs if r.role == "agent"):
+        ep = seen.get(f"agent-{rec.node}")
+        ok = bool(ep and ep.alive)
+        nodes.add_row(
+            rec.node,
+            f"agent-{rec.node}",
+            "[green]yes[/]" if ok else "[red]no[/]",
+            _age(ep.heartbeat_age_s) if ep else "-",
+            f"{rec.pid}" + ("" if alive.get(rec.pid) else " (gone)"),
+        )
+    console.print(nodes)
+    others = [e for e in (status.endpoints if status else []) if e.kind != "agent"]
+    if others:
+        eps = Table("endpoint", "node", "role", "alive", "heartbeat", "replicas", title="endpoints", title_justify="left")
+        for e in others:
+            eps.add_row(e.name, e.node, e.role, "yes" if e.alive else "no", _age(e.heartbeat_age_s), str(e.replicas))
+        console.print(eps)
+    render_versions(console, status.versions if status else [])
+
+
+def render_versions(console: Console, versions: list[p.VersionStatus]) -> None:
+    if not versions:
+        console.print("versions: none yet")
+        return
+    t = Table("model", "version", "state", "chunks", "MiB", "replicas", "complete", title="versions", title_justify="left")
+    for v in versions:
+        t.add_row(v.model, str(v.version), v.state, str(v.chunks), f"{v.nbytes / 2**20:.1f}",
+                  str(v.replicas), str(v.complete_replicas))
+    console.print(t)

@@ -1,0 +1,43 @@
+"""The command surface: every DESIGN.md command exists; unlanded ones say so (exit 3)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from tensorhub_cli.cli import app
+
+runner = CliRunner()
+
+COMMANDS = ["spec", "up", "down", "status", "publish", "sync", "versions", "scale", "failover", "logs", "bench"]
+
+
+def test_help_lists_every_command():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name in COMMANDS:
+        assert any(line.strip().startswith(name + " ") or line.strip("│ ").startswith(name + " ")
+                   for line in result.output.splitlines()), name
+
+
+@pytest.mark.parametrize("argv", [["publish", "policy", "--from", "x.safetensors"], ["sync", "policy"],
+                                  ["scale", "rollout=4"], ["failover", "node2"]])
+def test_unlanded_commands_exit_3(argv):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 3
+    assert "not available yet" in result.output
+
+
+def test_status_without_cluster_is_a_clear_error(th_home):
+    result = runner.invoke(app, ["status"])
+    assert result.exit_code == 2
+    assert "no cluster is running" in result.output
+
+
+def test_nixl_shim_finds_the_backend_wheel(monkeypatch):
+    from tensorhub_cli.engines.nixl_shim import NixlUnavailable, load_nixl
+
+    assert hasattr(load_nixl(), "nixl_agent")
+    monkeypatch.setenv("TH_NIXL_MODULE", "nixl_absent")
+    with pytest.raises(NixlUnavailable, match="nixl_absent._api"):
+        load_nixl()

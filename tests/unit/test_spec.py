@@ -1,0 +1,178 @@
+"""Spec validation: every problem is exit 2 with the offending field named."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tensorhub_cli.cli import app
+from tensorhub_cli.spec import load, select_nodes
+
+from ..conftest import REPO
+
+runner = CliRunner()
+
+BASE = yaml.safe_load((REPO / "specs" / "local.yaml").read_text())
+
+
+def nodes(doc):
+    return doc["topology"]["datacenters"][0]["racks"][0]["nodes"]
+
+
+def check(tmp_path, doc_or_text):
+    path = tmp_path / "spec.yaml"
+    path.write_text(doc_or_text if isinstance(doc_or_text, str) else yaml.safe_dump(doc_or_text, sort_keys=False))
+    return runner.invoke(app, ["spec", "check", str(path)])
+
+
+def set_in(doc, path, value):
+    *head, last = path
+    for key in head:
+        doc = doc[key]
+    doc[last] = value
+
+
+def delete(doc, path):
+    *head, last = path
+    for key in head:
+        doc = doc[key]
+    del doc[last]
+
+
+N0 = ("topology", "datacenters", 0, "racks", 0, "nodes", 0)
+N1 = ("topology", "datacenters", 0, "racks", 0, "nodes", 1)
+
+# (id, mutation, field path expected at the start of a line, words expected in the message)
+BAD = [
+    ("missing-name", lambda d: delete(d, ("name",)), "name", "required"),
+    ("bad-name-chars", lambda d: set_in(d, ("name",), "my cluster!"), "name", "pattern"),
+    ("unknown-top-key", lambda d: set_in(d, ("luancher",), "local"), "luancher", "unknown key"),
+    ("unknown-node-key", lambda d: set_in(d, N0 + ("gpuz",), 1), "topology.datacenters[0].racks[0].nodes[0].gpuz", "unknown key"),
+    ("launcher-value", lambda d: set_in(d, ("launcher",), "kubernetes"), "launcher", "'local' or 'ssh'"),
+    ("engine-value", lambda d: set_in(d, ("engine",), "rdma"), "engine", "'nixl' or 'tcp'"),
+    ("hub-port-high", lambda d: set_in(d, ("hub", "port"), 70000), "hub.port", "65535"),
+    ("hub-port-zero", lambda d: set_in(d, ("hub", "port"), 0), "hub.port", "greater than or equal to 1"),
+    ("metrics-port-high", lambda d: set_in(d, ("hub", "metrics_port"), 99999), "hub.metrics_port", "65535"),
+    ("metrics-equals-hub", lambda d: set_in(d, ("hub", "metrics_port"), d["hub"]["port"]), "hub.metrics_port", "differ"),
+    ("hub-unknown-node", lambda d: set_in(d, ("hub", "node"), "node9"), "hub.node", "unknown node 'node9'"),
+    ("hub-missing", lambda d: delete(d, ("hub",)), "hub", "required"),
+    ("expiry-short", lambda d: set_in(d, ("hub", "expiry_s"), 0.6), "hub", "twice heartbeat_s"),
+    ("dup-node-name", lambda d: set_in(d, N1 + ("name",), "node1"), "topology.datacenters[0].racks[0].nodes[1].name", "duplicate node name"),
+    ("dup-node-address", lambda d: set_in(d, N1 + ("address",), "127.0.0.11"), "topology.datacenters[0].racks[0].nodes[1].address", "duplicate node address"),
+    ("not-loopback", lambda d: set_in(d, N0 + ("address",), "10.0.0.1"), "topology.datacenters[0].racks[0].nodes[0].address", "loopback"),
+    ("gpus-negative", lambda d: set_in(d, N0 + ("gpus",), -1), "topology.datacenters[0].racks[0].nodes[0].gpus", "greater than or equal to 0"),
+    ("nic-zero", lambda d: set_in(d, N0 + ("nic_gbps",), 0), "topology.datacenters[0].racks[0].nodes[0].nic_gbps", "greater than 0"),
+    ("spot-not-bool", lambda d: set_in(d, N0 + ("spot",), "sometimes"), "topology.datacenters[0].racks[0].nodes[0].spot", "boolean"),
+    ("no-racks", lambda d: set_in(d, ("topology", "datacenters", 0, "racks"), []), "topology.datacenters[0].racks", "at least 1"),
+    ("link-unknown-dc", lambda d: set_in(d, ("topology", "links"), [{"between": ["dc1", "mars"], "gbps": 1}]), "topology.links[0].between", "unknown datacenter 'mars'"),
+    ("link-self", lambda d: set_in(d, ("topology", "links"), [{"between": ["dc1", "dc1"], "gbps": 1}]), "topology.links[0].between", "two different"),
+    ("link-gbps-zero", lambda d: set_in(d, ("topology", "links"), [{"between": ["dc1", "dc2"], "gbps": 0}]), "topology.links[0].gbps", "greater than 0"),
+    ("role-unknown-node", lambda d: set_in(d, ("roles", "rollout", "select", "nodes"), ["node2", "ghost"]), "roles.rollout.select.nodes[1]", "unknown node 'ghost'"),
+    ("group-not-dividing", lambda d: set_in(d, ("roles", "rollout", "group_size"), 3), "roles.rollout.group_size", "does not divide count 2"),
+    ("role-count-negative", lambda d: set_in(d, ("roles", "rollout", "count"), -2), "roles.rollout.count", "greater than or equal to 0"),
+    ("role-selects-nothing", lambda d: set_in(d, ("roles", "trainer", "select"), {"labels": {"tier": "none"}}), "roles.trainer.select", "selects no node"),
+    ("role-unknown-key", lambda d: set_in(d, ("roles", "trainer", "replicas"), 2), "roles.trainer.replicas", "unknown key"),
+    ("chunk-zero", lambda d: set_in(d, ("models", 0, "chunk_mb"), 0), "models[0].chunk_mb", "greater than 0"),
+    ("chunk-negative", lambda d: set_in(d, ("models", 0, "chunk_mb"), -4), "models[0].chunk_mb", "greater than 0"),
+    ("min-copies-negative", lambda d: set_in(d, ("models", 0, "retain", "min_reliable_copies"), -1), "models[0].retain.min_reliable_copies", "greater than or equal to 0"),
+    ("keep-latest-zero", lambda d: set_in(d, ("models", 0, "retain", "keep_latest"), 0), "models[0].retain.keep_latest", "greater than or equal to 1"),
+    ("dup-model", lambda d: d["models"].append(copy.deepcopy(d["models"][0])), "models[1].name", "duplicate model name"),
+    ("token-and-file", lambda d: set_in(d, ("auth",), {"token": "x" * 20, "token_file": "t"}), "auth", "not both"),
+    ("token-short", lambda d: set_in(d, ("auth",), {"token": "short"}), "auth.token", "at least 16"),
+    ("token-file-missing", lambda d: set_in(d, ("auth",), {"token_file": "nope.token"}), "auth.token_file", "no such file"),
+    ("ssh-port", lambda d: set_in(d, ("ssh",), {"port": 123456}), "ssh.port", "65535"),
+    ("node-ssh-override-key", lambda d: set_in(d, N0 + ("ssh",), {"usr": "root"}), "topology.datacenters[0].racks[0].nodes[0].ssh.usr", "unknown key"),
+    ("bootstrap-key", lambda d: set_in(d, N0 + ("bootstrap",), {"venv": "/x"}), "topology.datacenters[0].racks[0].nodes[0].bootstrap.venv", "unknown key"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_spec_names_the_field(tmp_path, case):
+    _, mutate, field, words = case
+    doc = copy.deepcopy(BASE)
+    mutate(doc)
+    result = check(tmp_path, doc)
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    hits = [ln for ln in lines if ln.startswith(field + ":") or ln.startswith(field + "[") or ln.startswith(field + ".")]
+    assert hits, f"no line names {field!r}:\n{result.output}"
+    assert any(words in ln for ln in hits), f"{words!r} not in:\n{result.output}"
+
+
+def test_enough_distinct_bad_specs():
+    assert len({c[0] for c in BAD}) >= 25
+    assert len({c[2] for c in BAD}) >= 25
+
+
+def test_line_numbers_point_at_the_field(tmp_path):
+    text = (REPO / "specs" / "local.yaml").read_text().replace("port: 7700", "port: 77000")
+    result = check(tmp_path, text)
+    want = next(i for i, ln in enumerate(text.splitlines(), 1) if "port: 77000" in ln)
+    assert result.exit_code == 2
+    assert f"hub.port: Input should be less than or equal to 65535 (line {want})" in result.output
+
+
+def test_every_problem_reported_at_once(tmp_path):
+    doc = copy.deepcopy(BASE)
+    set_in(doc, ("hub", "node"), "nowhere")
+    set_in(doc, N1 + ("name",), "node1")
+    result = check(tmp_path, doc)
+    assert result.exit_code == 2
+    assert "hub.node:" in result.output and "nodes[1].name:" in result.output
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [("name: [unclosed\n", "YAML does not parse"), ("- just\n- a list\n", "must be a YAML mapping"), ("", "must be a YAML mapping")],
+)
+def test_unparseable_yaml_is_one_line(tmp_path, text, words):
+    result = check(tmp_path, text)
+    assert result.exit_code == 2
+    assert words in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+def test_missing_file_is_one_line(tmp_path):
+    result = runner.invoke(app, ["spec", "check", str(tmp_path / "absent.yaml")])
+    assert result.exit_code == 2
+    assert result.output.strip().endswith("absent.yaml: no such file")
+
+
+@pytest.mark.parametrize("name", ["local", "testbed-8", "two-dc"])
+def test_example_specs_pass(name):
+    result = runner.invoke(app, ["spec", "check", str(REPO / "specs" / f"{name}.yaml")])
+    assert result.exit_code == 0, result.output
+
+
+def test_example_shapes():
+    local, tb, two = (load(REPO / "specs" / f"{n}.yaml") for n in ("local", "testbed-8", "two-dc"))
+    assert local.launcher == "local" and len(local.nodes()) >= 3
+    assert all(n.spec.address.startswith("127.") for n in local.nodes())
+    assert tb.launcher == "ssh" and len(tb.nodes()) == 8 and len({n.rack for n in tb.nodes()}) == 2
+    assert len(two.topology.datacenters) == 2 and two.topology.links[0].gbps < min(n.spec.nic_gbps for n in two.nodes())
+
+
+def test_selectors_and_ssh_overrides(tmp_path):
+    tb = load(REPO / "specs" / "testbed-8.yaml")
+    assert select_nodes(tb, "trainer") == ["n1"]
+    doc = yaml.safe_load((REPO / "specs" / "testbed-8.yaml").read_text())
+    doc["topology"]["datacenters"][0]["racks"][0]["nodes"][1]["ssh"] = {"port": 2222, "user": "ops"}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    s = load(tmp_path / "s.yaml")
+    n2 = s.node("n2").spec
+    merged = s.ssh_for(n2)
+    assert (merged.port, merged.user, merged.strict_host_keys) == (2222, "ops", True)
+    assert s.ssh_for(s.node("n3").spec).port == 22
+
+
+def test_schema_is_json_and_forbids_extras():
+    result = runner.invoke(app, ["spec", "schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["additionalProperties"] is False
+    assert {"hub", "topology"} <= set(schema["required"])
