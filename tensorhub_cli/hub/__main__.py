@@ -16,7 +16,17 @@ import time
 import zmq
 
 from .service import HubService
+from .retention import Policy
 from .state import Hub, HubConfig
+
+
+def hub_config(args) -> HubConfig:
+    policies = {}
+    for item in args.retain:
+        model, _, rule = item.partition("=")
+        keep, _, least = rule.partition(":")
+        policies[model] = Policy(keep_latest=int(keep), min_reliable_copies=int(least))
+    return HubConfig(cluster=args.cluster, expiry_s=args.expiry_s, planner=args.planner, policies=policies)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expiry-s", type=float, default=5.0)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
+    ap.add_argument("--retain", action="append", default=[], metavar="MODEL=KEEP:MIN",
+                    help="retention policy of a model: keep_latest and min_reliable_copies")
+    ap.add_argument("--planner", choices=("ros", "star"), default="ros")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(levelname)s %(message)s")
     with open(args.token_file, encoding="utf-8") as f:
         token = f.read().strip()
-    hub = Hub(HubConfig(cluster=args.cluster, expiry_s=args.expiry_s))
+    hub = Hub(hub_config(args), now=time.monotonic())
     try:
         service = HubService(hub, token, args.bind)
     except zmq.ZMQError as exc:

@@ -66,6 +66,11 @@ class EndpointInfo(Msg):
     pid: int = 0
 
 
+class Read(Msg):
+    chunk: int
+    source: str
+
+
 class Holding(Msg):
     """What an endpoint holds of one version, sent again after a hub restart."""
 
@@ -75,6 +80,7 @@ class Holding(Msg):
     shards: list[Manifest]  # for a publisher: only its own shard, at index 0
     rank: int = -1  # >= 0: a publisher's shard; -1: a reader's (full manifest) replica
     held: list[int] = []  # global chunk ids (readers); publishers hold their whole shard
+    reading: list[Read] = []  # reads in flight, so the rebuilt hub pins their sources again
 
 
 # --- operations ----------------------------------------------------------------------
@@ -120,7 +126,8 @@ class Progress(Msg, tag="progress"):
     name: str
     model: str
     version: int
-    chunks: list[int]
+    chunks: list[int]  # verified (checksum matched): the reader now holds them
+    failed: list[Read] = []  # reads that failed or arrived corrupt: unpinned, source avoided
 
 
 class Cancel(Msg, tag="cancel"):
@@ -172,11 +179,6 @@ class Resolved(Msg, tag="resolved"):
     world: int
     shards: list[Manifest]
     round: int = 0
-
-
-class Read(Msg):
-    chunk: int
-    source: str
 
 
 class Source(Msg):

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as p
-from .state import Hub, HubFault
+from .state import Acked, Hub, HubFault, Send
 
 log = logging.getLogger("tensorhub.hub")
 
@@ -53,50 +53,77 @@ class HubService:
         # still get an answer, so a client learns why.
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * p.MAX_FRAME)
         self._sock.bind(bind)
-        self.hub.started_at = clock()
+        self.idents: dict[str, bytes] = {}
+        self.waiters: dict[tuple[str, str, int], list[tuple[bytes, int]]] = {}
+
+    def _reply(self, rid: int, body: p.Body) -> bytes:
+        return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=rid, body=body))
 
     def _refuse(self, rid: int, code: str, message: str) -> bytes:
         self.hub.count(f"errors.{code}")
-        return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=rid, body=p.Error(code=code, message=message)))
+        return self._reply(rid, p.Error(code=code, message=message))
 
-    def handle(self, frames: list[bytes]) -> bytes:
-        """One request frame → one encoded reply. Never raises."""
+    def handle(self, ident: bytes, frames: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """One request → the frames to send now, as (identity, payload). Never raises."""
         if len(frames) != 1:
-            return self._refuse(0, "malformed", f"expected 1 frame, got {len(frames)}")
+            return [(ident, self._refuse(0, "malformed", f"expected 1 frame, got {len(frames)}"))]
         frame = frames[0]
         if len(frame) > p.MAX_FRAME:
-            return self._refuse(0, "too_large", f"frame of {len(frame)} bytes exceeds {p.MAX_FRAME}")
+            return [(ident, self._refuse(0, "too_large", f"frame of {len(frame)} bytes exceeds {p.MAX_FRAME}"))]
         try:
             req = p.decode_request(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._refuse(0, "malformed", f"undecodable request: {exc}")
+            return [(ident, self._refuse(0, "malformed", f"undecodable request: {exc}"))]
         if req.v != p.PROTOCOL_VERSION:
-            return self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})")
+            return [(ident, self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})"))]
         if not hmac.compare_digest(req.token.encode(), self._token):
-            return self._refuse(req.rid, "auth", "bad cluster token")
+            return [(ident, self._refuse(req.rid, "auth", "bad cluster token"))]
+        name = getattr(req.op, "name", None) or getattr(getattr(req.op, "info", None), "name", None)
+        if name:
+            self.idents[name] = ident  # where pushed commands and deferred acks go
         now = self.clock()
         try:
             if isinstance(req.op, p.Status):
                 body = self.hub.status(now)
             else:
-                method = getattr(self.hub, _DISPATCH[type(req.op)], None)
-                if method is None:
-                    raise HubFault("unsupported", f"operation {type(req.op).__name__} is not available yet")
-                body = method(now, req.op)
+                body = getattr(self.hub, _DISPATCH[type(req.op)])(now, req.op)
         except HubFault as fault:
             self.hub.count(f"errors.{fault.code}")
             body = fault.as_error()
         except Exception as exc:  # a bug in the state machine must not take the hub down
             log.exception("operation %s failed", type(req.op).__name__)
-            return self._refuse(req.rid, "internal", f"{type(exc).__name__}: {exc}")
+            return [(ident, self._refuse(req.rid, "internal", f"{type(exc).__name__}: {exc}"))]
         self.hub.count("ops")
-        return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=req.rid, body=body))
+        out = []
+        if body is None:  # deferred: an unpublish waiting for its drain
+            op = req.op
+            self.waiters.setdefault((op.name, op.model, op.version), []).append((ident, req.rid))
+        else:
+            out.append((ident, self._reply(req.rid, body)))
+        return out + self.outbound()
+
+    def outbound(self) -> list[tuple[bytes, bytes]]:
+        out = []
+        for event in self.hub.take_outbound():
+            if isinstance(event, Acked):
+                body = p.Ok() if event.ok else p.Error(
+                    code="expired", message=f"{event.endpoint} expired before {event.model}@{event.version} drained")
+                for ident, rid in self.waiters.pop((event.endpoint, event.model, event.version), []):
+                    out.append((ident, self._reply(rid, body)))
+            elif isinstance(event, Send) and event.endpoint in self.idents:
+                out.append((self.idents[event.endpoint], self._reply(0, event.body)))
+        return out
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_s)
             for name in self.hub.expire(self.clock()):
                 log.warning("endpoint %s expired", name)
+                self.idents.pop(name, None)
+            # Drains are also judged by time (the post-restart grace), so settle here too.
+            self.hub.settle(self.clock())
+            for ident, frame in self.outbound():
+                await self._sock.send_multipart([ident, frame])
 
     async def serve(self, stop: asyncio.Event) -> None:
         sweeper = asyncio.create_task(self._sweep())
@@ -109,7 +136,8 @@ class HubService:
                     recv.cancel()
                     break
                 ident, *frames = recv.result()
-                await self._sock.send_multipart([ident, self.handle(frames)])
+                for to, frame in self.handle(ident, frames):
+                    await self._sock.send_multipart([to, frame])
         finally:
             sweeper.cancel()
             stopper.cancel()

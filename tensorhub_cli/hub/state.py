@@ -1,18 +1,28 @@
 """The hub's state machine: pure, no sockets, time injected.
 
-Protocol: every operation is a method taking the current time ``now`` (seconds,
-monotonic) and returning a reply body or raising ``HubFault``. ``expire(now)`` must be
-called periodically; it removes endpoints silent for longer than ``expiry_s``.
-Deferred answers (an unpublish waiting for its drain) and hub → agent commands are
-queued as ``Outbound`` events, to be taken with ``take_outbound()`` after each call.
-State is soft: it can be rebuilt entirely from endpoints re-registering what they hold.
+Protocol: every operation is a method ``op(now, msg)`` returning a reply body, or
+``None`` for an unpublish whose acknowledgement is deferred, or raising ``HubFault``
+with the state unchanged. ``expire(now)`` must be called periodically. Deferred
+acknowledgements (``Acked``) and hub → agent commands (``Send``) are queued; take them
+with ``take_outbound()`` after each call and deliver them.
+
+State is soft (contract 7): it can be rebuilt entirely from endpoints re-registering
+what they hold and what they are reading. For ``grace_s`` after start no unpublish is
+acknowledged, so that every live reader has re-registered its in-flight reads (its
+pins) before a drain can be judged complete.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
+from ..planner import Candidate, Place, choose, cost
+from ..planner.plan import LEVELS, REMOTE
 from . import protocol as p
+from .groups import Round, round_over
+from .registry import READY, UNAVAILABLE, Replica, Version
+from .retention import Policy, pulls_needed, retained, short
 
 
 class HubFault(Exception):
@@ -25,14 +35,33 @@ class HubFault(Exception):
         self.missing = missing or []
 
     def as_error(self) -> p.Error:
-        return p.Error(code=self.code, message=self.message, missing=self.missing)
+        return p.Error(code=self.code, message=self.message, missing=self.missing[:1000])
+
+
+@dataclass(frozen=True)
+class Acked:
+    """An unpublish is answered: drained (ok), or its endpoint was dropped meanwhile."""
+
+    endpoint: str
+    model: str
+    version: int
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class Send:
+    endpoint: str
+    body: p.Command
 
 
 @dataclass
 class Endpoint:
     info: p.EndpointInfo
     last_seen: float
-    registered_at: float
+    place: Place = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.place = Place(node=self.info.node, rack=self.info.rack, dc=self.info.dc)
 
     @property
     def name(self) -> str:
@@ -43,28 +72,37 @@ class Endpoint:
 class HubConfig:
     cluster: str = "tensorhub"
     expiry_s: float = 5.0
+    round_timeout_s: float = 120.0
+    grace_s: float | None = None  # default: expiry_s
+    planner: str = "ros"  # "ros", or "star": every read from a publisher (benchmark baseline)
+    policies: dict[str, Policy] = field(default_factory=dict)
+    default_policy: Policy = Policy()
+    max_window: int = 1024
 
 
-@dataclass
 class Hub:
-    config: HubConfig
-    started_at: float = 0.0
-    endpoints: dict[str, Endpoint] = field(default_factory=dict)
-    counters: dict[str, float] = field(default_factory=dict)
+    def __init__(self, config: HubConfig, now: float = 0.0):
+        self.config = config
+        self.started_at = now
+        self.grace_until = now + (config.expiry_s if config.grace_s is None else config.grace_s)
+        self.endpoints: dict[str, Endpoint] = {}
+        self.models: dict[str, dict[int, Version]] = {}
+        self.rounds: dict[tuple[str, str], Round] = {}
+        self.load: dict[str, int] = {}  # reads in flight per source, all versions
+        self.counters: dict[str, float] = {}
+        self._outbound: list[Acked | Send] = []
+
+    # --- small helpers ---------------------------------------------------------------
 
     def count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
-    # --- endpoints -------------------------------------------------------------------
+    def take_outbound(self) -> list[Acked | Send]:
+        out, self._outbound = self._outbound, []
+        return out
 
-    def register(self, now: float, op: p.Register) -> p.Ok:
-        old = self.endpoints.get(op.info.name)
-        if old is not None and old.info.pid != op.info.pid and now - old.last_seen < self.config.expiry_s:
-            # A second live process under one name would corrupt every reference it owns.
-            raise HubFault("conflict", f"endpoint name {op.info.name!r} is held by a live endpoint (pid {old.info.pid})")
-        self.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now, registered_at=now)
-        self.count("registrations")
-        return p.Ok()
+    def policy(self, model: str) -> Policy:
+        return self.config.policies.get(model, self.config.default_policy)
 
     def _endpoint(self, name: str) -> Endpoint:
         ep = self.endpoints.get(name)
@@ -73,44 +111,422 @@ class Hub:
             raise HubFault("unknown_endpoint", f"endpoint {name!r} is not registered")
         return ep
 
+    def _version(self, model: str, number: int) -> Version:
+        v = self.models.get(model, {}).get(number)
+        if v is None:
+            raise HubFault("not_found", f"{model}@{number} is not known to the hub")
+        return v
+
+    def _alive(self, now: float, name: str) -> bool:
+        ep = self.endpoints.get(name)
+        return ep is not None and now - ep.last_seen <= self.config.expiry_s
+
+    def _reliable(self, name: str) -> bool:
+        ep = self.endpoints.get(name)
+        return ep is not None and ep.info.reliable
+
+    def _pin(self, v: Version, reader: str, chunk: int, source: str) -> None:
+        v.pin(reader, chunk, source)
+        self.load[source] = self.load.get(source, 0) + 1
+
+    def _unpin(self, v: Version, reader: str, chunk: int) -> None:
+        source = v.unpin(reader, chunk)
+        if source is not None:
+            left = self.load[source] - 1
+            if left:
+                self.load[source] = left
+            else:
+                del self.load[source]
+
+    # --- endpoints -------------------------------------------------------------------
+
+    def register(self, now: float, op: p.Register) -> p.Ok:
+        old = self.endpoints.get(op.info.name)
+        if old is not None and old.info.pid != op.info.pid and self._alive(now, old.name):
+            # Two live processes under one name would corrupt every reference it owns.
+            raise HubFault("conflict", f"endpoint name {op.info.name!r} is held by a live endpoint (pid {old.info.pid})")
+        if old is not None:
+            self._drop_endpoint(now, old.name)
+        self.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now)
+        self.count("registrations")
+        for holding in op.holdings:
+            try:
+                self._restore(now, op.info.name, holding)
+            except HubFault:
+                self.count("errors.holding")  # one stale holding must not cost the others
+        self._settle(now)
+        return p.Ok()
+
     def heartbeat(self, now: float, op: p.Heartbeat) -> p.Ok:
         self._endpoint(op.name).last_seen = now
         return p.Ok()
 
     def deregister(self, now: float, op: p.Deregister) -> p.Ok:
         self._endpoint(op.name)
-        self._drop_endpoint(op.name)
+        self._drop_endpoint(now, op.name)
+        self._settle(now)
         return p.Ok()
 
     def expire(self, now: float) -> list[str]:
-        dead = [n for n, ep in self.endpoints.items() if now - ep.last_seen > self.config.expiry_s]
+        dead = [n for n in self.endpoints if not self._alive(now, n)]
         for name in dead:
-            self._drop_endpoint(name)
+            self._drop_endpoint(now, name)
             self.count("expiries")
+        if dead:
+            self._settle(now)
         return dead
 
-    def _drop_endpoint(self, name: str) -> None:
-        del self.endpoints[name]
+    def _drop_endpoint(self, now: float, name: str) -> None:
+        """Contract 6: a gone endpoint loses every reference, pin and read it had."""
+        self.endpoints.pop(name, None)
+        for versions in self.models.values():
+            for v in versions.values():
+                for chunk in list(v.reads.get(name, {})):
+                    self._unpin(v, name, chunk)
+                for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
+                    for chunk in [c for c, s in v.reads[reader].items() if s == name]:
+                        self._unpin(v, reader, chunk)
+                v.replicas.pop(name, None)
+                if name in v.draining:
+                    v.draining.discard(name)
+                    self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
+                v.pulls.discard(name)
+                v.avoid.pop(name, None)
+                for dc in [dc for dc, seed in v.seeds.items() if seed == name]:
+                    del v.seeds[dc]
+                v.refresh()
+            for number in [n for n, v in versions.items() if not v.replicas and not v.ever_ready]:
+                del versions[number]  # a STAGING version whose publishers are all gone
+
+    # --- publish ---------------------------------------------------------------------
+
+    def publish(self, now: float, op: p.Publish) -> p.Ok:
+        self._endpoint(op.name)
+        self._add_shard(op.name, op.model, op.version, op.rank, op.world, op.manifest)
+        self.count("publishes")
+        self._settle(now)
+        return p.Ok()
+
+    def _add_shard(self, name: str, model: str, number: int, rank: int, world: int, manifest: p.Manifest) -> Version:
+        check_manifest(manifest, number, rank, world)
+        digest = p.manifest_digest(1, [manifest])
+        versions = self.models.setdefault(model, {})
+        v = versions.get(number)
+        if v is None:
+            v = versions[number] = Version(model=model, number=number, world=world)
+        elif v.world != world:
+            raise HubFault("conflict", f"{model}@{number} was published with world {v.world}, not {world}")
+        elif rank in v.shard_digests and v.shard_digests[rank] != digest:
+            raise HubFault("conflict", f"{model}@{number} shard {rank} exists with a different manifest")
+        rep = v.replicas.get(name)
+        if rep is not None and rep.rank != rank:
+            raise HubFault("conflict", f"{name} already holds {model}@{number} as {'reader' if rep.rank < 0 else f'shard {rep.rank}'}")
+        v.shards[rank], v.shard_digests[rank] = manifest, digest
+        if rep is None:
+            rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
+        v.assemble()
+        if v.assembled:
+            rep.held |= v.shard_mask(rank)
+        if v.refresh() == READY:
+            self._drop_old(model)
+        return v
+
+    def _restore(self, now: float, name: str, h: p.Holding) -> None:
+        if h.rank >= 0:
+            self._add_shard(name, h.model, h.version, h.rank, h.world, h.shards[0])
+            return
+        versions = self.models.setdefault(h.model, {})
+        v = versions.get(h.version)
+        if v is None:
+            if len(h.shards) != h.world:
+                raise HubFault("malformed", "a reader's holding must carry every shard's manifest")
+            for rank, m in enumerate(h.shards):
+                check_manifest(m, h.version, rank, h.world)
+            v = versions[h.version] = Version(model=h.model, number=h.version, world=h.world)
+            for rank, m in enumerate(h.shards):
+                v.shards[rank], v.shard_digests[rank] = m, p.manifest_digest(1, [m])
+            v.assemble()
+        elif not v.assembled or v.digest != p.manifest_digest(h.world, h.shards):
+            raise HubFault("conflict", f"{h.model}@{h.version}: holding does not match the known manifest")
+        held = 0
+        for c in h.held:
+            if 0 <= c < v.nchunks:
+                held |= 1 << c
+        rep = v.replicas.setdefault(name, Replica(endpoint=name))
+        rep.held |= held
+        for r in h.reading:
+            if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source in v.replicas:
+                self._pin(v, name, r.chunk, r.source)
+        if v.refresh() == READY:
+            self._drop_old(h.model)
+
+    # --- resolve ---------------------------------------------------------------------
+
+    def resolve(self, now: float, op: p.Resolve) -> p.Resolved:
+        self._endpoint(op.name)
+        versions = self.models.get(op.model)
+        if not versions:
+            raise HubFault("not_found", f"model {op.model!r} has no versions")
+        if op.version is not None:
+            v = self._version(op.model, op.version)
+            self._require_ready(v)
+            return self._resolved(v, 0)
+        if op.group is None:
+            return self._resolved(self._latest(op.model), 0)
+        key = (op.model, op.group)
+        rnd = self.rounds.get(key)
+        if rnd is not None:
+            members = {n for n, ep in self.endpoints.items() if ep.info.group == op.group}
+            v_round = self.models[op.model].get(rnd.version)
+            why = round_over(rnd, members, now, self.config.round_timeout_s, lambda n: n in self.endpoints,
+                             lambda n: v_round is not None and v_round.complete(n))
+            if why is not None or v_round is None:
+                self.count(f"rounds_ended.{(why or 'version dropped').replace(' ', '_')}")
+                rnd = None
+        if rnd is None:
+            latest = self._latest(op.model)
+            number = self.rounds[key].number + 1 if key in self.rounds else 1
+            rnd = self.rounds[key] = Round(number=number, version=latest.number, opened_at=now)
+        v = self.models[op.model][rnd.version]
+        self._require_ready(v)
+        rnd.resolved.add(op.name)
+        return self._resolved(v, rnd.number)
+
+    def _latest(self, model: str) -> Version:
+        ready = [v for v in self.models.get(model, {}).values() if v.state == READY]
+        if not ready:
+            raise HubFault("not_found", f"model {model!r} has no READY version")
+        return max(ready, key=lambda v: v.number)
+
+    @staticmethod
+    def _require_ready(v: Version) -> None:
+        if v.state == UNAVAILABLE:
+            missing = v.missing()
+            raise HubFault("unavailable", f"{v.model}@{v.number} is UNAVAILABLE: no live endpoint holds "
+                           f"{len(missing)} chunk(s), e.g. {missing[:8]}", missing)
+        if v.state != READY:
+            raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
+
+    @staticmethod
+    def _resolved(v: Version, rnd: int) -> p.Resolved:
+        return p.Resolved(model=v.model, version=v.number, world=v.world, shards=v.manifests(), round=rnd)
+
+    # --- plan / progress / cancel ----------------------------------------------------
+
+    def plan(self, now: float, op: p.Plan) -> p.Planned:
+        reader = self._endpoint(op.name)
+        v = self._version(op.model, op.version)
+        self._require_ready(v)
+        rep = v.replicas.get(op.name)
+        if rep is None:  # a reader is a (partial) holder from its first plan on
+            rep = v.replicas[op.name] = Replica(endpoint=op.name)
+        if rep.held == v.full:
+            return p.Planned(reads=[], sources=[], complete=True)
+        reads = v.reads.get(op.name, {})
+        assigned = 0
+        for chunk in reads:
+            assigned |= 1 << chunk
+        window = max(1, min(op.window, self.config.max_window))
+        result = choose(
+            needed=v.full & ~rep.held & ~assigned,
+            start=zlib.crc32(op.name.encode()) % v.nchunks,
+            limit=window - len(reads),
+            candidates=self._candidates(now, v, reader),
+            may_cross=v.seeds.get(reader.place.dc, op.name) == op.name,
+        )
+        for chunk, source, level in result.assigned:
+            self._pin(v, op.name, chunk, source)
+            nbytes = v.chunk_nbytes[chunk]
+            self.count(f"bytes_planned.level.{LEVELS[level]}", nbytes)
+            self.count(f"bytes_planned.tier.{self.endpoints[source].info.tier}", nbytes)
+        if result.crossed:
+            v.seeds[reader.place.dc] = op.name
+        self.count("plans")
+        reads = v.reads.get(op.name, {})
+        names = set(reads.values())
+        return p.Planned(
+            reads=[p.Read(chunk=c, source=s) for c, s in sorted(reads.items())],
+            sources=[self._source(n) for n in sorted(names)],
+            waiting=result.waiting,
+        )
+
+    def _candidates(self, now: float, v: Version, reader: Endpoint) -> list[Candidate]:
+        star = self.config.planner == "star"
+        retention_pull = reader.name in v.pulls
+        avoid = v.avoid.get(reader.name, ())
+        out = []
+        for name, rep in v.replicas.items():
+            if name == reader.name or not rep.held or (star and rep.rank < 0) or name in avoid:
+                continue
+            # Draining replicas take no new reads, except the retention copy of themselves.
+            if name in v.draining and not retention_pull:
+                continue
+            ep = self.endpoints.get(name)
+            if ep is None or now - ep.last_seen > self.config.expiry_s:
+                continue
+            level = cost(reader.place, ep.place)
+            out.append(Candidate(name=name, held=rep.held, level=0 if star else level, load=self.load.get(name, 0)))
+        return out
+
+    def _source(self, name: str) -> p.Source:
+        info = self.endpoints[name].info
+        return p.Source(name=name, node=info.node, engine=info.engine, engine_meta=info.engine_meta)
+
+    def progress(self, now: float, op: p.Progress) -> p.Ok:
+        self._endpoint(op.name)
+        v = self._version(op.model, op.version)
+        if not v.assembled:
+            raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
+        bad = [c for c in op.chunks if not 0 <= c < v.nchunks]
+        if bad:
+            raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
+        rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+        for c in op.chunks:
+            rep.held |= 1 << c
+            self._unpin(v, op.name, c)
+        for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
+            if v.reads.get(op.name, {}).get(r.chunk) == r.source:
+                self._unpin(v, op.name, r.chunk)
+                v.avoid.setdefault(op.name, set()).add(r.source)
+                self.count("reads_failed")
+        self.count("chunks_reported", len(op.chunks))
+        was = v.state
+        if v.refresh() == READY and was != READY:
+            self._drop_old(v.model)
+            self._settle(now)
+        elif v.pulls or v.draining:
+            self._settle(now, v)
+        return p.Ok()
+
+    def cancel(self, now: float, op: p.Cancel) -> p.Ok:
+        """The reader gave up its reads in flight (a fetch timed out or was aborted)."""
+        self._endpoint(op.name)
+        v = self._version(op.model, op.version)
+        for chunk in list(v.reads.get(op.name, {})):
+            self._unpin(v, op.name, chunk)
+        self._settle(now)
+        return p.Ok()
+
+    # --- unpublish, retention, drop --------------------------------------------------
+
+    def unpublish(self, now: float, op: p.Unpublish) -> None:
+        """Deferred: an ``Acked`` is queued once the replica's pins reach zero (and any
+        retention copy it called for is complete)."""
+        self._endpoint(op.name)
+        v = self._version(op.model, op.version)
+        rep = v.replicas.get(op.name)
+        if rep is None:
+            raise HubFault("not_found", f"{op.name} holds no replica of {op.model}@{op.version}")
+        v.draining.add(op.name)  # contract 3: no new reads from here on
+        self.count("unpublishes")
+        self._settle(now, v)
+        return None
+
+    def _settle(self, now: float, only: Version | None = None) -> None:
+        """Start the retention pulls now needed; acknowledge every drain now complete.
+
+        ``only``: the one version an operation touched (the hot path: progress)."""
+        todo = [only] if only else [v for vs in self.models.values() for v in vs.values()]
+        keeps: dict[str, set[int]] = {}
+        for v in todo:
+            versions = self.models[v.model]
+            if v.number not in versions:
+                continue
+            policy = self.policy(v.model)
+            if v.model not in keeps:
+                keeps[v.model] = set(retained(versions, policy))
+            kept = v.number in keeps[v.model]
+            if kept:
+                self._start_pulls(now, v, policy)
+            for name in sorted(v.draining):
+                if self._drained(now, v, name, kept, policy):
+                    v.draining.discard(name)
+                    del v.replicas[name]
+                    self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
+                    self.count("unpublish_acks")
+                    if not v.replicas:  # its holders let it go: forget it
+                        del versions[v.number]
+                        self.count("versions_dropped")
+                        break
+            else:
+                v.refresh()
+
+    def settle(self, now: float) -> None:
+        """Re-judge every drain and retention; the service calls this on its sweep,
+        because some of it turns on time alone (the grace period, agents expiring)."""
+        self._settle(now)
+
+    def _drained(self, now: float, v: Version, name: str, is_retained: bool, policy: Policy) -> bool:
+        if v.pins.get(name, 0) or now < self.grace_until:
+            return False
+        if not is_retained or not short(v, policy, self._reliable):
+            return True
+        # Short: wait for a pull under way; give up only when no agent can make a copy.
+        pulling = any(self._alive(now, a) and not v.complete(a) for a in v.pulls)
+        return not pulling and not self._pull_candidates(now, v)
+
+    def _pull_candidates(self, now: float, v: Version) -> list[str]:
+        agents = [ep for ep in self.endpoints.values()
+                  if ep.info.kind == "agent" and self._alive(now, ep.name) and ep.name not in v.pulls
+                  and not (ep.name in v.replicas and ep.name not in v.draining and v.complete(ep.name))]
+        agents.sort(key=lambda ep: (not ep.info.reliable, self.load.get(ep.name, 0), ep.name))
+        return [ep.name for ep in agents]
+
+    def _start_pulls(self, now: float, v: Version, policy: Policy) -> None:
+        if v.state != READY:
+            return  # nothing complete to copy from
+        need = pulls_needed(v, policy, self._reliable)
+        for agent in self._pull_candidates(now, v)[:need]:
+            v.pulls.add(agent)
+            self._outbound.append(Send(endpoint=agent, body=p.Command(action="retain", model=v.model, version=v.number)))
+            self.count("retention_pulls")
+
+    def _drop_old(self, model: str) -> None:
+        """Once READY versions fall out of keep_latest, forget those nobody is reading."""
+        versions = self.models[model]
+        keep = set(retained(versions, self.policy(model)))
+        in_rounds = {r.version for (m, _), r in self.rounds.items() if m == model}
+        newest = max(keep) if keep else 0
+        for number in [n for n, v in versions.items() if v.ever_ready and n not in keep and n < newest]:
+            v = versions[number]
+            if not v.pins and number not in in_rounds and not v.draining:
+                del versions[number]
+                self.count("versions_dropped")
 
     # --- views -----------------------------------------------------------------------
 
+    def versions(self, now: float, op: p.Versions) -> p.VersionsReply:
+        models = [op.model] if op.model else sorted(self.models)
+        if op.model and op.model not in self.models:
+            raise HubFault("not_found", f"model {op.model!r} has no versions")
+        return p.VersionsReply(versions=[v.status() for m in models for _, v in sorted(self.models[m].items())])
+
     def status(self, now: float) -> p.StatusReply:
+        held: dict[str, int] = {}
+        for versions in self.models.values():
+            for v in versions.values():
+                for name in v.replicas:
+                    held[name] = held.get(name, 0) + 1
         eps = [
-            p.EndpointStatus(
-                name=ep.name,
-                node=ep.info.node,
-                role=ep.info.role,
-                kind=ep.info.kind,
-                alive=now - ep.last_seen <= self.config.expiry_s,
-                heartbeat_age_s=round(now - ep.last_seen, 3),
-                replicas=0,
-            )
+            p.EndpointStatus(name=ep.name, node=ep.info.node, role=ep.info.role, kind=ep.info.kind,
+                             alive=self._alive(now, ep.name), heartbeat_age_s=round(now - ep.last_seen, 3),
+                             replicas=held.get(ep.name, 0))
             for ep in sorted(self.endpoints.values(), key=lambda e: e.name)
         ]
-        return p.StatusReply(
-            cluster=self.config.cluster,
-            uptime_s=round(now - self.started_at, 3),
-            endpoints=eps,
-            versions=[],
-            counters=dict(self.counters),
-        )
+        return p.StatusReply(cluster=self.config.cluster, uptime_s=round(now - self.started_at, 3), endpoints=eps,
+                             versions=self.versions(now, p.Versions()).versions, counters=dict(self.counters))
+
+
+def check_manifest(m: p.Manifest, number: int, rank: int, world: int) -> None:
+    if number < 1:
+        raise HubFault("malformed", f"version must be >= 1, got {number}")
+    if not 0 <= rank < world:
+        raise HubFault("malformed", f"shard rank {rank} outside world {world}")
+    if not m.chunks:
+        raise HubFault("malformed", "a manifest needs at least one chunk")
+    if m.chunk_bytes <= 0 or any(not 0 < c.nbytes <= m.chunk_bytes for c in m.chunks):
+        raise HubFault("malformed", f"chunk sizes must be in 1..chunk_bytes ({m.chunk_bytes})")
+    total = sum(c.nbytes for c in m.chunks)
+    for t in m.tensors:
+        if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > total:
+            raise HubFault("malformed", f"tensor {t.name!r} lies outside the {total} bytes its chunks cover")

@@ -81,6 +81,8 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
                     "--expiry-s", str(spec.hub.expiry_s)]
         if spec.hub.metrics_port:
             hub_args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
+        for m in spec.models:
+            hub_args += ["--retain", f"{m.name}={m.retain.keep_latest}:{m.retain.min_reliable_copies}"]
         state.procs.append(launcher.start(hub_node, "hub", "tensorhub_cli.hub", hub_args))
         write_state(state)
         log(f"hub     {hub_node.name:<12} {state.hub_address}")

@@ -1,0 +1,34 @@
+"""Group transactions (contract 2): one version per group per round.
+
+A round opens when a member of a group resolves ``latest`` and no round is open; it
+fixes the version every member resolving ``latest`` gets until the round ends. It ends
+when (a) every member holds a complete replica of the round's version, or (b) a member
+that resolved in it is gone (expired or deregistered), or (c) ``timeout_s`` passed
+since it opened. Members are the endpoints registered with that group name, plus any
+endpoint that resolved in the round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Round:
+    number: int
+    version: int
+    opened_at: float
+    resolved: set[str] = field(default_factory=set)
+
+
+def round_over(rnd: Round, members: set[str], now: float, timeout_s: float,
+               registered: Callable[[str], bool], complete: Callable[[str], bool]) -> str | None:
+    """Why the round is over, or None while it is open."""
+    if now - rnd.opened_at >= timeout_s:
+        return "timeout"
+    if any(not registered(m) for m in rnd.resolved):
+        return "member gone"
+    if all(complete(m) for m in members | rnd.resolved):
+        return "all done"
+    return None

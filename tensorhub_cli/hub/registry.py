@@ -1,0 +1,141 @@
+"""What the hub knows about one version: its manifest and its replicas. Pure data.
+
+A version is published shard by shard (``rank`` of ``world``); once every rank's
+manifest is in, it is *assembled*: its chunks get global ids, rank 0's first, and a
+publisher holds exactly its shard's id range. Which chunks a replica holds is a Python
+int used as a bitset (bit i = chunk i), so coverage and "what does the reader lack"
+are single integer operations even for thousands of chunks.
+
+State (contract 1): STAGING until assembled and covered by live holders; READY once
+covered; UNAVAILABLE when a once-READY version loses its last holder of some chunk
+(it is READY again when a holder returns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import protocol as p
+
+STAGING, READY, UNAVAILABLE = "STAGING", "READY", "UNAVAILABLE"
+
+
+def bits(mask: int, start: int = 0):
+    """Set bits of ``mask``, ascending from ``start`` and wrapping around to 0."""
+    high = mask >> start
+    while high:
+        low = high & -high
+        yield start + low.bit_length() - 1
+        high ^= low
+    rest = mask & ((1 << start) - 1)
+    while rest:
+        low = rest & -rest
+        yield low.bit_length() - 1
+        rest ^= low
+
+
+@dataclass
+class Replica:
+    endpoint: str
+    held: int = 0
+    rank: int = -1  # >= 0: published shard (a publisher); -1: filled by reading
+
+
+@dataclass
+class Version:
+    model: str
+    number: int
+    world: int
+    shards: dict[int, p.Manifest] = field(default_factory=dict)
+    shard_digests: dict[int, int] = field(default_factory=dict)
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    state: str = STAGING
+    ever_ready: bool = False
+    # derived at assembly
+    offsets: list[int] = field(default_factory=list)
+    nchunks: int = 0
+    full: int = 0
+    chunk_nbytes: list[int] = field(default_factory=list)
+    digest: int = 0
+    # reads in flight: reader -> {chunk: source}; pins: source -> count
+    reads: dict[str, dict[int, str]] = field(default_factory=dict)
+    pins: dict[str, int] = field(default_factory=dict)
+    seeds: dict[str, str] = field(default_factory=dict)  # dc -> the reader pulling across the DC link
+    pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
+    draining: set[str] = field(default_factory=set)  # replicas waiting for their pins to drain
+    avoid: dict[str, set[str]] = field(default_factory=dict)  # reader -> sources that failed it
+
+    @property
+    def assembled(self) -> bool:
+        return self.nchunks > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.chunk_nbytes)
+
+    def assemble(self) -> None:
+        if self.assembled or len(self.shards) < self.world:
+            return
+        offset, self.offsets = 0, []
+        for rank in range(self.world):
+            self.offsets.append(offset)
+            offset += len(self.shards[rank].chunks)
+        self.nchunks = offset
+        self.full = (1 << offset) - 1
+        self.chunk_nbytes = [c.nbytes for r in range(self.world) for c in self.shards[r].chunks]
+        self.digest = p.manifest_digest(self.world, self.manifests())
+        for rep in self.replicas.values():
+            if rep.rank >= 0:
+                rep.held |= self.shard_mask(rep.rank)
+
+    def manifests(self) -> list[p.Manifest]:
+        return [self.shards[r] for r in range(self.world)]
+
+    def shard_mask(self, rank: int) -> int:
+        n = len(self.shards[rank].chunks)
+        return ((1 << n) - 1) << self.offsets[rank]
+
+    def coverage(self) -> int:
+        out = 0
+        for rep in self.replicas.values():
+            out |= rep.held
+        return out
+
+    def missing(self) -> list[int]:
+        return list(bits(self.full & ~self.coverage()))
+
+    def refresh(self) -> str:
+        if self.assembled and self.coverage() == self.full:
+            self.state, self.ever_ready = READY, True
+        else:
+            self.state = UNAVAILABLE if self.ever_ready else STAGING
+        return self.state
+
+    def complete(self, name: str) -> bool:
+        rep = self.replicas.get(name)
+        return rep is not None and self.assembled and rep.held == self.full
+
+    def pin(self, reader: str, chunk: int, source: str) -> None:
+        self.reads.setdefault(reader, {})[chunk] = source
+        self.pins[source] = self.pins.get(source, 0) + 1
+
+    def unpin(self, reader: str, chunk: int) -> str | None:
+        reads = self.reads.get(reader)
+        if not reads or chunk not in reads:
+            return None
+        source = reads.pop(chunk)
+        if not reads:
+            del self.reads[reader]
+        left = self.pins[source] - 1
+        if left:
+            self.pins[source] = left
+        else:
+            del self.pins[source]
+        return source
+
+    def status(self) -> p.VersionStatus:
+        return p.VersionStatus(
+            model=self.model, version=self.number, state=self.state, chunks=self.nchunks, nbytes=self.nbytes,
+            replicas=len(self.replicas),
+            complete_replicas=sum(1 for r in self.replicas.values() if self.assembled and r.held == self.full),
+        )

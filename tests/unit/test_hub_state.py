@@ -1,0 +1,288 @@
+"""Contracts 1–8 on the pure hub, one scenario each (the stateful test fuzzes them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.retention import Policy
+from tensorhub_cli.hub.state import HubFault
+
+from .hubkit import EXPIRY, acks, fetch_all, info, manifest, new_hub, reg, sends
+
+
+def publish(hub, now, name, version, m, rank=0, world=1, model="policy"):
+    hub.publish(now, p.Publish(name=name, model=model, version=version, manifest=m, rank=rank, world=world))
+
+
+def state(hub, version, model="policy"):
+    return hub.models[model][version].state
+
+
+def test_sharded_version_is_staging_until_every_shard_is_held():
+    hub = new_hub()
+    reg(hub, 0, info("t0"), info("t1", node="n2"), info("r", node="n3"))
+    publish(hub, 0, "t0", 1, manifest(3), rank=0, world=2)
+    assert state(hub, 1) == "STAGING"
+    with pytest.raises(HubFault, match="no READY version"):
+        hub.resolve(0, p.Resolve(name="r", model="policy"))
+    publish(hub, 0, "t1", 1, manifest(2, salt=1), rank=1, world=2)
+    assert state(hub, 1) == "READY"
+    got = hub.resolve(0, p.Resolve(name="r", model="policy"))
+    assert got.version == 1 and got.world == 2 and len(got.shards[1].chunks) == 2
+    assert hub.models["policy"][1].replicas["t1"].held == 0b11000
+
+
+def test_conflicting_manifest_is_rejected_and_changes_nothing():
+    hub = new_hub()
+    reg(hub, 0, info("t0"), info("t1"))
+    publish(hub, 0, "t0", 1, manifest(3))
+    before = hub.versions(0, p.Versions()).versions
+    with pytest.raises(HubFault) as exc:
+        publish(hub, 0, "t1", 1, manifest(4))
+    assert exc.value.code == "conflict" and "different manifest" in exc.value.message
+    with pytest.raises(HubFault, match="world"):
+        publish(hub, 0, "t1", 1, manifest(3), rank=0, world=2)
+    assert hub.versions(0, p.Versions()).versions == before
+    assert "t1" not in hub.models["policy"][1].replicas
+
+
+def test_group_round_pins_one_version_even_when_a_newer_turns_ready():
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("a", node="n2", group="g"), info("b", node="n3", group="g"))
+    publish(hub, 0, "t", 1, manifest(2))
+    assert hub.resolve(0, p.Resolve(name="a", model="policy", group="g")).version == 1
+    publish(hub, 0, "t", 2, manifest(2, salt=2))
+    assert hub.resolve(0, p.Resolve(name="b", model="policy", group="g")).version == 1  # same round
+    assert hub.resolve(0, p.Resolve(name="b", model="policy")).version == 2  # no group: latest
+    fetch_all(hub, 0, "a", "policy", 1)
+    fetch_all(hub, 0, "b", "policy", 1)
+    nxt = hub.resolve(0, p.Resolve(name="a", model="policy", group="g"))
+    assert (nxt.version, nxt.round) == (2, 2)
+
+
+def test_group_round_ends_when_a_member_expires_or_times_out():
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("a", group="g"), info("b", group="g"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.resolve(0, p.Resolve(name="a", model="policy", group="g"))
+    hub.resolve(0, p.Resolve(name="b", model="policy", group="g"))
+    publish(hub, 0, "t", 2, manifest(2, salt=2))
+    hub.heartbeat(4, p.Heartbeat(name="t"))
+    hub.heartbeat(4, p.Heartbeat(name="a"))
+    hub.expire(6)  # b expired
+    assert hub.resolve(6, p.Resolve(name="a", model="policy", group="g")).version == 2
+    publish(hub, 6, "t", 3, manifest(2, salt=3))
+    hub.heartbeat(6 + hub.config.round_timeout_s, p.Heartbeat(name="a"))
+    hub.heartbeat(6 + hub.config.round_timeout_s, p.Heartbeat(name="t"))
+    assert hub.resolve(6 + hub.config.round_timeout_s, p.Resolve(name="a", model="policy", group="g")).version == 3
+
+
+def test_plan_prefers_node_then_rack_then_dc_then_remote_then_load():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="x", rack="rx", dc="dc2"), info("reader", node="n1", rack="r1"),
+        info("same-node", node="n1", rack="r1"), info("same-rack", node="n2", rack="r1"),
+        info("same-dc", node="n3", rack="r2"))
+    publish(hub, 0, "t", 1, manifest(8))
+    m = manifest(8)
+    for name in ("same-node", "same-rack", "same-dc"):
+        hub.plan(0, p.Plan(name=name, model="policy", version=1, window=8))
+        hub.progress(0, p.Progress(name=name, model="policy", version=1, chunks=list(range(8))))
+
+    def sources(window):
+        plan = hub.plan(0, p.Plan(name="reader", model="policy", version=1, window=window))
+        out = {r.source for r in plan.reads}
+        hub.cancel(0, p.Cancel(name="reader", model="policy", version=1))
+        return out
+
+    assert sources(2) == {"same-node"}
+    hub.deregister(0, p.Deregister(name="same-node"))
+    assert sources(2) == {"same-rack"}
+    hub.deregister(0, p.Deregister(name="same-rack"))
+    assert sources(2) == {"same-dc"}
+    hub.deregister(0, p.Deregister(name="same-dc"))
+    assert sources(2) == {"t"}
+    del m
+
+
+def test_plan_spreads_equal_cost_reads_by_load():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), *[info(f"h{i}", node=f"n{i + 1}") for i in range(4)], info("r", node="n9"))
+    publish(hub, 0, "t", 1, manifest(16))
+    for i in range(4):
+        fetch_all(hub, 0, f"h{i}", "policy", 1)
+    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=10))
+    per = {}
+    for r in plan.reads:
+        per[r.source] = per.get(r.source, 0) + 1
+    assert len(plan.reads) == 10 and max(per.values()) - min(per.values()) <= 1 and len(per) == 5
+
+
+def test_never_plans_self_draining_or_expired():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("r", node="n2"))
+    publish(hub, 0, "t", 1, manifest(4))
+    fetch_all(hub, 0, "a", "policy", 1)
+    hub.unpublish(0, p.Unpublish(name="a", model="policy", version=1))
+    assert acks(hub.take_outbound())  # nothing pinned it
+    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
+    assert {r.source for r in plan.reads} == {"t"}
+    hub.cancel(0, p.Cancel(name="r", model="policy", version=1))
+    # t silent past expiry but not yet swept: still counted a holder, never planned
+    hub.heartbeat(EXPIRY + 1, p.Heartbeat(name="r"))
+    late = hub.plan(EXPIRY + 1, p.Plan(name="r", model="policy", version=1))
+    assert late.reads == [] and late.waiting == 4
+
+
+def test_one_copy_crosses_the_dc_link_then_fans_out_from_the_seed():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="a1", dc="east"), *[info(f"w{i}", node=f"b{i}", dc="west") for i in range(3)])
+    publish(hub, 0, "t", 1, manifest(6))
+    first = hub.plan(0, p.Plan(name="w0", model="policy", version=1, window=2))
+    assert {r.source for r in first.reads} == {"t"}
+    second = hub.plan(0, p.Plan(name="w1", model="policy", version=1, window=6))
+    assert second.reads == [] and second.waiting == 6  # waits for the seed, no second crossing
+    hub.progress(0, p.Progress(name="w0", model="policy", version=1, chunks=[r.chunk for r in first.reads]))
+    second = hub.plan(0, p.Plan(name="w1", model="policy", version=1, window=6))
+    assert {r.source for r in second.reads} == {"w0"} and len(second.reads) == 2
+    assert hub.counters["bytes_planned.level.remote"] == 2 * 1024
+
+
+def test_unpublish_waits_for_pins_and_takes_no_new_reads():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n2"))
+    publish(hub, 0, "t", 1, manifest(4))
+    fetch_all(hub, 0, "a", "policy", 1)
+    plan = hub.plan(0, p.Plan(name="b", model="policy", version=1, window=4))
+    pinned_on_a = [r.chunk for r in plan.reads if r.source == "a"]
+    assert pinned_on_a
+    assert hub.unpublish(0, p.Unpublish(name="a", model="policy", version=1)) is None
+    assert acks(hub.take_outbound()) == []
+    again = hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8))
+    new = [r for r in again.reads if r.chunk not in pinned_on_a]
+    assert all(r.source != "a" for r in new)
+    hub.progress(0, p.Progress(name="b", model="policy", version=1, chunks=pinned_on_a))
+    assert [(a.endpoint, a.ok) for a in acks(hub.take_outbound())] == [("a", True)]
+    assert "a" not in hub.models["policy"][1].replicas
+
+
+def test_unpublish_of_last_retained_copy_pulls_to_an_agent_first():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t", node="n0"), info("agent-n1", node="n1", kind="agent"), info("r", node="n2", reliable=False))
+    publish(hub, 0, "t", 1, manifest(4))
+    assert hub.take_outbound() == []  # t is a reliable complete copy
+    hub.unpublish(0, p.Unpublish(name="t", model="policy", version=1))
+    out = hub.take_outbound()
+    assert acks(out) == [] and [(s.endpoint, s.body.version) for s in sends(out)] == [("agent-n1", 1)]
+    blocked = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
+    assert blocked.reads == [] and blocked.waiting == 4  # readers may not read the draining copy
+    fetch_all(hub, 0, "agent-n1", "policy", 1)  # the retention pull may
+    assert [a.endpoint for a in acks(hub.take_outbound())] == ["t"]
+    assert state(hub, 1) == "READY" and hub.models["policy"][1].complete("agent-n1")
+
+
+def test_unpublish_without_any_agent_still_completes():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.unpublish(0, p.Unpublish(name="t", model="policy", version=1))
+    assert [a.endpoint for a in acks(hub.take_outbound())] == ["t"]
+    assert 1 not in hub.models["policy"]  # nobody holds it: forgotten
+
+
+def test_expired_holder_masks_failure_then_unavailable_then_back():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("r", node="n2"))
+    publish(hub, 0, "t", 1, manifest(4))
+    hub.plan(0, p.Plan(name="a", model="policy", version=1, window=4))
+    hub.progress(0, p.Progress(name="a", model="policy", version=1, chunks=[0, 1]))
+    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
+    assert any(r.source == "t" for r in plan.reads)
+    for n in ("a", "r"):
+        hub.heartbeat(4, p.Heartbeat(name=n))
+    assert hub.expire(6) == ["t"]
+    assert state(hub, 1) == "UNAVAILABLE"
+    with pytest.raises(HubFault) as exc:
+        hub.plan(6, p.Plan(name="r", model="policy", version=1))
+    assert exc.value.code == "unavailable" and exc.value.missing == [2, 3] and "policy@1" in exc.value.message
+    holding = p.Holding(model="policy", version=1, world=1, shards=[manifest(4)], rank=0)
+    reg(hub, 6, info("t", node="n0", pid=2), holdings=[holding])
+    assert state(hub, 1) == "READY"
+    plan = hub.plan(6, p.Plan(name="r", model="policy", version=1, window=4))
+    assert {r.source for r in plan.reads} <= {"t", "a"} and plan.reads
+
+
+def test_hub_restart_rebuilds_from_holdings_and_keeps_drains_safe():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"))
+    publish(hub, 0, "t", 1, manifest(4))
+    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=2))
+    hub.progress(0, p.Progress(name="r", model="policy", version=1, chunks=[plan.reads[0].chunk]))
+    reading = [r for r in hub.plan(0, p.Plan(name="r", model="policy", version=1, window=2)).reads]
+    held = [plan.reads[0].chunk]
+
+    fresh = new_hub(now=100.0, grace_s=EXPIRY)
+    with pytest.raises(HubFault) as exc:
+        fresh.heartbeat(100, p.Heartbeat(name="t"))
+    assert exc.value.code == "unknown_endpoint"
+    reg(fresh, 100, info("t", node="n0"),
+        holdings=[p.Holding(model="policy", version=1, world=1, shards=[manifest(4)], rank=0)])
+    fresh.unpublish(100, p.Unpublish(name="t", model="policy", version=1))
+    reg(fresh, 101, info("r", node="n1"), holdings=[p.Holding(model="policy", version=1, world=1,
+                                                             shards=[manifest(4)], held=held, reading=reading)])
+    assert state(fresh, 1) == "READY"
+    assert fresh.models["policy"][1].pins == {"t": len(reading)}
+    fresh.settle(100 + EXPIRY + 1)
+    assert acks(fresh.take_outbound()) == []  # r's re-registered reads still pin t
+    fresh.progress(106, p.Progress(name="r", model="policy", version=1, chunks=[r.chunk for r in reading]))
+    assert [a.endpoint for a in acks(fresh.take_outbound())] == ["t"]
+
+
+def test_star_planner_reads_only_from_publishers():
+    hub = new_hub(planner="star")
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n1"))
+    publish(hub, 0, "t", 1, manifest(4))
+    fetch_all(hub, 0, "a", "policy", 1)
+    plan = hub.plan(0, p.Plan(name="b", model="policy", version=1, window=4))
+    assert {r.source for r in plan.reads} == {"t"}
+
+
+def test_versions_past_keep_latest_are_dropped_when_unpinned():
+    hub = new_hub(policies={"policy": Policy(keep_latest=2, min_reliable_copies=0)})
+    reg(hub, 0, info("t"), info("r", node="n2"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.plan(0, p.Plan(name="r", model="policy", version=1, window=1))  # pins v1
+    publish(hub, 0, "t", 2, manifest(2, salt=2))
+    publish(hub, 0, "t", 3, manifest(2, salt=3))
+    assert sorted(hub.models["policy"]) == [1, 2, 3]  # v1 pinned: kept
+    hub.cancel(0, p.Cancel(name="r", model="policy", version=1))
+    publish(hub, 0, "t", 4, manifest(2, salt=4))
+    assert sorted(hub.models["policy"]) == [3, 4]
+
+
+def test_failed_read_is_replanned_on_another_source():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("bad", node="n1"), info("r", node="n1"))
+    publish(hub, 0, "t", 1, manifest(2))
+    fetch_all(hub, 0, "bad", "policy", 1)
+    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=1))
+    assert plan.reads[0].source == "bad"  # same node: cheapest
+    hub.progress(0, p.Progress(name="r", model="policy", version=1, chunks=[], failed=plan.reads))
+    again = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=1))
+    assert again.reads[0].source == "t" and hub.counters["reads_failed"] == 1
+
+
+def test_progress_with_bad_chunk_ids_changes_nothing():
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("r"))
+    publish(hub, 0, "t", 1, manifest(2))
+    with pytest.raises(HubFault, match="out of range"):
+        hub.progress(0, p.Progress(name="r", model="policy", version=1, chunks=[0, 7]))
+    assert "r" not in hub.models["policy"][1].replicas
+
+
+def test_second_live_process_cannot_take_a_name():
+    hub = new_hub()
+    reg(hub, 0, info("t", pid=1))
+    with pytest.raises(HubFault, match="held by a live endpoint"):
+        hub.register(1, p.Register(info=info("t", pid=2)))
