@@ -131,6 +131,9 @@ class Progress(Msg, tag="progress"):
 
 
 class Cancel(Msg, tag="cancel"):
+    """Release every read in flight of ``name`` on this version. Send it only once those
+    transfers have stopped: the pins it releases are what holds a source's drain back."""
+
     name: str
     model: str
     version: int

@@ -91,6 +91,8 @@ class Hub:
         self.load: dict[str, int] = {}  # reads in flight per source, all versions
         self.counters: dict[str, float] = {}
         self._outbound: list[Acked | Send] = []
+        # after a restart: rebuilt reads whose source has not re-registered yet
+        self._unplaced: dict[str, list[tuple[Version, str]]] = {}
 
     # --- small helpers ---------------------------------------------------------------
 
@@ -154,6 +156,9 @@ class Hub:
                 self._restore(now, op.info.name, holding)
             except HubFault:
                 self.count("errors.holding")  # one stale holding must not cost the others
+        for v, reader in self._unplaced.pop(op.info.name, []):
+            if reader in self.endpoints and op.info.name in v.reads.get(reader, {}).values():
+                self._note_seed(v, reader, op.info.name)
         self._settle(now)
         return p.Ok()
 
@@ -235,19 +240,24 @@ class Hub:
         if h.rank >= 0:
             self._add_shard(name, h.model, h.version, h.rank, h.world, h.shards[0])
             return
+        if len(h.shards) != h.world:
+            raise HubFault("malformed", "a reader's holding must carry every shard's manifest")
+        digests = []
+        for rank, m in enumerate(h.shards):
+            check_manifest(m, h.version, rank, h.world)
+            digests.append(p.manifest_digest(1, [m]))
         versions = self.models.setdefault(h.model, {})
         v = versions.get(h.version)
-        if v is None:
-            if len(h.shards) != h.world:
-                raise HubFault("malformed", "a reader's holding must carry every shard's manifest")
-            for rank, m in enumerate(h.shards):
-                check_manifest(m, h.version, rank, h.world)
-            v = versions[h.version] = Version(model=h.model, number=h.version, world=h.world)
-            for rank, m in enumerate(h.shards):
-                v.shards[rank], v.shard_digests[rank] = m, p.manifest_digest(1, [m])
-            v.assemble()
-        elif not v.assembled or v.digest != p.manifest_digest(h.world, h.shards):
+        if v is not None and (v.world != h.world or any(
+                v.shard_digests.get(r, d) != d for r, d in enumerate(digests))):
             raise HubFault("conflict", f"{h.model}@{h.version}: holding does not match the known manifest")
+        if v is None:
+            v = versions[h.version] = Version(model=h.model, number=h.version, world=h.world)
+        for rank, m in enumerate(h.shards):  # a reader knows every shard, even those whose publisher is gone
+            v.shards.setdefault(rank, m)
+            v.shard_digests.setdefault(rank, digests[rank])
+        v.assemble()
+        v.ever_ready = True  # readers only ever read READY versions: a gap now means UNAVAILABLE
         held = 0
         for c in h.held:
             if 0 <= c < v.nchunks:
@@ -255,10 +265,22 @@ class Hub:
         rep = v.replicas.setdefault(name, Replica(endpoint=name))
         rep.held |= held
         for r in h.reading:
-            if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source in v.replicas:
+            # Pin even a source that has not re-registered yet: if it is alive and
+            # unpublishes, this read in flight must still hold its drain back.
+            if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source != name:
                 self._pin(v, name, r.chunk, r.source)
+                if r.source in self.endpoints:
+                    self._note_seed(v, name, r.source)
+                else:  # its DC is known once it re-registers
+                    self._unplaced.setdefault(r.source, []).append((v, name))
         if v.refresh() == READY:
             self._drop_old(h.model)
+
+    def _note_seed(self, v: Version, reader: str, source: str) -> None:
+        """A rebuilt read across a DC link makes its reader that DC's seed again."""
+        dc = self.endpoints[reader].place.dc
+        if self.endpoints[source].place.dc != dc:
+            v.seeds.setdefault(dc, reader)
 
     # --- resolve ---------------------------------------------------------------------
 
@@ -322,6 +344,7 @@ class Hub:
             rep = v.replicas[op.name] = Replica(endpoint=op.name)
         if rep.held == v.full:
             return p.Planned(reads=[], sources=[], complete=True)
+        self._drop_lost_reads(now, v, op.name)
         reads = v.reads.get(op.name, {})
         assigned = 0
         for chunk in reads:
@@ -332,7 +355,7 @@ class Hub:
             start=zlib.crc32(op.name.encode()) % v.nchunks,
             limit=window - len(reads),
             candidates=self._candidates(now, v, reader),
-            may_cross=v.seeds.get(reader.place.dc, op.name) == op.name,
+            may_cross=self._may_cross(v, reader),
         )
         for chunk, source, level in result.assigned:
             self._pin(v, op.name, chunk, source)
@@ -342,7 +365,9 @@ class Hub:
         if result.crossed:
             v.seeds[reader.place.dc] = op.name
         self.count("plans")
-        reads = v.reads.get(op.name, {})
+        # Reads restored after a hub restart whose source has not re-registered stay
+        # pinned but unlisted: the reader finishes or fails them on its own.
+        reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in self.endpoints}
         names = set(reads.values())
         return p.Planned(
             reads=[p.Read(chunk=c, source=s) for c, s in sorted(reads.items())],
@@ -350,13 +375,38 @@ class Hub:
             waiting=result.waiting,
         )
 
+    def _drop_lost_reads(self, now: float, v: Version, reader: str) -> None:
+        """Contract 6: reads onto a source past its expiry (swept or not) are re-planned
+        at once. A source that has not re-registered since a hub restart counts as lost
+        only after the grace period."""
+        for chunk, source in list(v.reads.get(reader, {}).items()):
+            if source in self.endpoints:
+                lost = not self._alive(now, source)
+            else:
+                lost = now >= self.grace_until
+            if lost:
+                self._unpin(v, reader, chunk)
+
+    @staticmethod
+    def _may_cross(v: Version, reader: Endpoint) -> bool:
+        """Contract 8: one reader per DC (the seed) pulls across at a time. A seed with
+        no read in flight (done, stopped, cancelled) or that let its replica go hands
+        the role on, so a stalled seed never blocks its DC."""
+        seed = v.seeds.get(reader.place.dc)
+        if seed is None or seed == reader.name:
+            return True
+        if seed not in v.replicas or seed in v.draining or not v.reads.get(seed):
+            del v.seeds[reader.place.dc]
+            return True
+        return False
+
     def _candidates(self, now: float, v: Version, reader: Endpoint) -> list[Candidate]:
         star = self.config.planner == "star"
         retention_pull = reader.name in v.pulls
         avoid = v.avoid.get(reader.name, ())
         out = []
         for name, rep in v.replicas.items():
-            if name == reader.name or not rep.held or (star and rep.rank < 0) or name in avoid:
+            if name == reader.name or not rep.held or (star and rep.rank < 0):
                 continue
             # Draining replicas take no new reads, except the retention copy of themselves.
             if name in v.draining and not retention_pull:
@@ -365,7 +415,8 @@ class Hub:
             if ep is None or now - ep.last_seen > self.config.expiry_s:
                 continue
             level = cost(reader.place, ep.place)
-            out.append(Candidate(name=name, held=rep.held, level=0 if star else level, load=self.load.get(name, 0)))
+            out.append(Candidate(name=name, held=rep.held, level=0 if star else level, load=self.load.get(name, 0),
+                                 suspect=name in avoid))
         return out
 
     def _source(self, name: str) -> p.Source:
@@ -459,8 +510,8 @@ class Hub:
     def _drained(self, now: float, v: Version, name: str, is_retained: bool, policy: Policy) -> bool:
         if v.pins.get(name, 0) or now < self.grace_until:
             return False
-        if not is_retained or not short(v, policy, self._reliable):
-            return True
+        if not is_retained or v.state != READY or not short(v, policy, self._reliable):
+            return True  # (not READY: no complete copy can be made, so none is waited for)
         # Short: wait for a pull under way; give up only when no agent can make a copy.
         pulling = any(self._alive(now, a) and not v.complete(a) for a in v.pulls)
         return not pulling and not self._pull_candidates(now, v)

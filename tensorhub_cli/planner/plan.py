@@ -41,9 +41,10 @@ class Candidate:
     held: int
     level: int
     load: int
+    suspect: bool = False  # failed this reader before: used only when nothing else holds the chunk
 
     def key(self) -> tuple:
-        return (self.level, self.load, self.name)
+        return (self.suspect, self.level, self.load, self.name)
 
 
 @dataclass

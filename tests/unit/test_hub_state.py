@@ -143,9 +143,20 @@ def test_one_copy_crosses_the_dc_link_then_fans_out_from_the_seed():
     second = hub.plan(0, p.Plan(name="w1", model="policy", version=1, window=6))
     assert second.reads == [] and second.waiting == 6  # waits for the seed, no second crossing
     hub.progress(0, p.Progress(name="w0", model="policy", version=1, chunks=[r.chunk for r in first.reads]))
+    hub.plan(0, p.Plan(name="w0", model="policy", version=1, window=2))  # the seed keeps fetching
     second = hub.plan(0, p.Plan(name="w1", model="policy", version=1, window=6))
     assert {r.source for r in second.reads} == {"w0"} and len(second.reads) == 2
-    assert hub.counters["bytes_planned.level.remote"] == 2 * 1024
+    # Fetch everything, polling round-robin: each chunk crosses the link exactly once.
+    done = set()
+    for _ in range(50):
+        for name in ("w0", "w1", "w2"):
+            plan = hub.plan(0, p.Plan(name=name, model="policy", version=1, window=2))
+            if plan.complete:
+                done.add(name)
+            elif plan.reads:
+                hub.progress(0, p.Progress(name=name, model="policy", version=1, chunks=[r.chunk for r in plan.reads]))
+    assert done == {"w0", "w1", "w2"}
+    assert hub.counters["bytes_planned.level.remote"] == 6 * 1024
 
 
 def test_unpublish_waits_for_pins_and_takes_no_new_reads():

@@ -1,0 +1,430 @@
+"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(g).
+
+The test keeps its own *truth* — what each simulated process really holds in memory
+and which reads it really has in flight — and checks the hub against it after every
+step, so an invariant is judged by what a real cluster would see, not by the hub's
+own bookkeeping alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.retention import Policy, retained
+from tensorhub_cli.hub.state import Acked, Hub, HubConfig, HubFault
+
+from .hubkit import EXPIRY, info, manifest
+
+MODEL = "policy"
+POLICY = Policy(keep_latest=2, min_reliable_copies=1)
+PROCS = {
+    # name: (node, rack, dc, kind, reliable, group)
+    "t0": ("a1", "ra", "east", "endpoint", True, None),
+    "t1": ("a2", "ra", "east", "endpoint", True, None),
+    "r0": ("a3", "rb", "east", "endpoint", False, "g"),
+    "r1": ("b1", "rc", "west", "endpoint", False, "g"),
+    "r2": ("b2", "rc", "west", "endpoint", True, None),
+    "r3": ("b3", "rd", "west", "endpoint", False, None),
+    "agent-a3": ("a3", "rb", "east", "agent", True, None),
+    "agent-b2": ("b2", "rc", "west", "agent", True, None),
+}
+PUBLISHERS = ["t0", "t1"]
+READERS = ["r0", "r1", "r2", "r3", "agent-a3", "agent-b2"]
+
+
+@dataclass
+class RoundLog:
+    number: int
+    version: int
+    opened_at: float
+    resolved: dict[str, int] = field(default_factory=dict)  # member -> pid when it resolved
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int = 1
+    registered: bool = False
+    # (model, version) -> rank (publishers) ; readers: chunk ids they verified
+    shards: dict[tuple[str, int], int] = field(default_factory=dict)
+    chunks: dict[tuple[str, int], set[int]] = field(default_factory=dict)
+    reading: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+
+    def info(self) -> p.EndpointInfo:
+        node, rack, dc, kind, reliable, group = PROCS[self.name]
+        return info(self.name, node=node, rack=rack, dc=dc, kind=kind, reliable=reliable, group=group, pid=self.pid)
+
+
+class HubMachine(RuleBasedStateMachine):
+    @initialize()
+    def setup(self):
+        self.now = 0.0
+        self.hub = self._new_hub(grace_s=0.0)
+        self.procs = {n: Proc(n) for n in PROCS}
+        self.manifests: dict[int, list[p.Manifest]] = {}  # version -> per-rank manifests
+        self.next_version = 1
+        self.pending: set[tuple[str, int]] = set()  # (endpoint, version) unpublishes in flight
+        self.rounds: dict[str, RoundLog] = {}  # group -> the round as the test saw it open
+        self.commands: set[tuple[str, int]] = set()  # (agent, version) retention pulls asked for
+        self.ever_ready: set[int] = set()
+        for name in sorted(PROCS):  # start from a live cluster; crashes and silence come later
+            self.register(name)
+
+    def _new_hub(self, grace_s: float) -> Hub:
+        cfg = HubConfig(expiry_s=EXPIRY, grace_s=grace_s, round_timeout_s=30.0, policies={MODEL: POLICY})
+        return Hub(cfg, now=self.now)
+
+    # --- truth helpers ---------------------------------------------------------------
+
+    def offsets(self, version: int) -> list[int]:
+        out, acc = [], 0
+        for m in self.manifests[version]:
+            out.append(acc)
+            acc += len(m.chunks)
+        return out
+
+    def truly_holds(self, name: str, version: int, chunk: int) -> bool:
+        proc = self.procs[name]
+        key = (MODEL, version)
+        if key in proc.shards:
+            rank = proc.shards[key]
+            start = self.offsets(version)[rank]
+            return start <= chunk < start + len(self.manifests[version][rank].chunks)
+        return chunk in proc.chunks.get(key, set())
+
+    def forget(self, proc: Proc, version: int) -> None:
+        key = (MODEL, version)
+        proc.shards.pop(key, None)
+        proc.chunks.pop(key, None)
+        proc.reading.pop(key, None)
+
+    def die(self, proc: Proc) -> None:
+        """A process the hub dropped loses its memory; reads from it fail."""
+        proc.registered = False
+        proc.shards.clear()
+        proc.chunks.clear()
+        proc.reading.clear()
+        self.pending = {(e, v) for e, v in self.pending if e != proc.name}
+        for other in self.procs.values():
+            for reads in other.reading.values():
+                for c in [c for c, s in reads.items() if s == proc.name]:
+                    del reads[c]
+
+    def call(self, fn, *args):
+        try:
+            return fn(self.now, *args)
+        except HubFault as fault:
+            return fault
+        finally:
+            self.deliver()
+
+    def deliver(self) -> None:
+        for event in self.hub.take_outbound():
+            if isinstance(event, Acked):
+                self.check_ack(event)
+            else:
+                self.commands.add((event.endpoint, event.body.version))
+
+    # --- invariants checked at the moment of an acknowledgement ----------------------
+
+    def check_ack(self, ack: Acked) -> None:
+        key = (ack.endpoint, ack.version)
+        assert key in self.pending, f"ack for an unpublish nobody sent: {ack}"
+        self.pending.discard(key)
+        if not ack.ok:
+            return
+        # (c) acknowledged only with zero pins: no live reader still reads from it
+        for proc in self.procs.values():
+            if proc.registered:
+                reads = proc.reading.get((MODEL, ack.version), {})
+                assert ack.endpoint not in reads.values(), f"(c) {ack} while {proc.name} reads from it"
+        # (f) a retained version keeps its copies while an agent that could copy it lives
+        versions = self.hub.models.get(MODEL, {})
+        v = versions.get(ack.version)
+        if v is not None and ack.version in retained(versions, POLICY):
+            live = [r for n, r in v.replicas.items() if n not in v.draining]
+            covered = 0
+            for r in live:
+                covered |= r.held
+            copies = sum(1 for r in live if r.held == v.full and self.hub.endpoints[r.endpoint].info.reliable)
+            copyable = all(covered >> c & 1 or self.truly_holds(ack.endpoint, ack.version, c) for c in range(v.nchunks))
+            if copyable and (covered != v.full or copies < POLICY.min_reliable_copies):
+                helpers = [n for n, ep in self.hub.endpoints.items() if ep.info.kind == "agent"
+                           and self.now - ep.last_seen <= EXPIRY and not v.complete(n) and n != ack.endpoint]
+                assert not helpers, f"(f) {ack} left v{ack.version} short while {helpers} could copy it"
+        self.forget(self.procs[ack.endpoint], ack.version)
+
+    # --- rules -----------------------------------------------------------------------
+
+    @rule(name=st.sampled_from(sorted(PROCS)))
+    def crash(self, name):
+        proc = self.procs[name]
+        if proc.registered:
+            proc.registered = False  # gone before the hub hears of it: its reads end now
+            proc.reading.clear()
+            self.call(self.hub.deregister, p.Deregister(name=name))
+            self.die(proc)
+
+    @precondition(lambda self: any(not proc.registered for proc in self.procs.values()))
+    @rule(name=st.sampled_from(sorted(PROCS)))
+    def register(self, name):
+        proc = self.procs[name]
+        if proc.registered:
+            return
+        proc.pid += 1
+        if not isinstance(self.call(self.hub.register, p.Register(info=proc.info())), HubFault):
+            proc.registered = True
+
+    @rule(nchunks=st.integers(1, 5), sharded=st.booleans(), partial=st.booleans())
+    def publish(self, nchunks, sharded, partial):
+        ranks = [("t0", 0), ("t1", 1)] if sharded else [("t0", 0)]
+        if partial and sharded:
+            ranks = ranks[:1]  # leave it STAGING
+        if not all(self.procs[n].registered for n, _ in ranks):
+            return
+        number = self.next_version
+        self.next_version += 1
+        world = 2 if sharded else 1
+        self.manifests[number] = [manifest(nchunks + r, salt=number * 10 + r) for r in range(world)]
+        for name, rank in ranks:
+            op = p.Publish(name=name, model=MODEL, version=number, manifest=self.manifests[number][rank],
+                           rank=rank, world=world)
+            if not isinstance(self.call(self.hub.publish, op), HubFault):
+                self.procs[name].shards[(MODEL, number)] = rank
+
+    @rule(name=st.sampled_from(READERS), grouped=st.booleans())
+    def resolve(self, name, grouped):
+        proc = self.procs[name]
+        if not proc.registered:
+            return
+        group = PROCS[name][5] if grouped else None
+        got = self.call(self.hub.resolve, p.Resolve(name=name, model=MODEL, group=group))
+        if not isinstance(got, p.Resolved) or group is None:
+            return
+        cur = self.rounds.get(group)
+        if cur is not None and cur.number == got.round:
+            # (d) one round, one version, even if a newer one turned READY meanwhile
+            assert got.version == cur.version, f"(d) round {cur.number} of {group}: v{cur.version} then v{got.version}"
+        else:
+            assert cur is None or self.round_may_end(group, cur), f"(d) {group} left round {cur} while it was open"
+            cur = self.rounds[group] = RoundLog(got.round, got.version, self.now)
+        cur.resolved[name] = proc.pid
+
+    def round_may_end(self, group: str, cur: "RoundLog") -> bool:
+        """The ends DESIGN.md allows: all members done, a member gone, or the timeout."""
+        if self.now - cur.opened_at >= self.hub.config.round_timeout_s or cur.version not in self.hub.models.get(MODEL, {}):
+            return True
+        if any(not self.procs[n].registered or self.procs[n].pid != pid for n, pid in cur.resolved.items()):
+            return True
+        total = sum(len(m.chunks) for m in self.manifests[cur.version])
+        members = {n for n, spec in PROCS.items() if spec[5] == group and self.procs[n].registered} | set(cur.resolved)
+        return all(len(self.procs[n].chunks.get((MODEL, cur.version), ())) == total for n in members)
+
+    def _readable(self) -> list[int]:
+        return sorted(n for n, v in self.hub.models.get(MODEL, {}).items() if v.assembled)
+
+    @precondition(lambda self: self._readable())
+    @rule(name=st.sampled_from(READERS), pick=st.integers(0, 20), window=st.integers(1, 6), data=st.data())
+    def fetch(self, name, pick, window, data):
+        """A few polls of one reader: plan, then finish some of its reads (maybe none)."""
+        versions = self._readable()
+        number = versions[pick % len(versions)]
+        for _ in range(data.draw(st.integers(1, 4))):
+            if not self.procs[name].registered or number not in self.hub.models.get(MODEL, {}):
+                return
+            self._poll(name, number, window, data)
+
+    def _poll(self, name, number, window, data):
+        proc = self.procs[name]
+        v = self.hub.models[MODEL][number]
+        draining, pullers = set(v.draining), set(v.pulls)
+        got = self.call(self.hub.plan, p.Plan(name=name, model=MODEL, version=number, window=window))
+        if not isinstance(got, p.Planned):
+            return
+        reads = proc.reading.setdefault((MODEL, number), {})
+        for r in got.reads:
+            src = self.hub.endpoints.get(r.source)
+            # (b) no plan names the reader, a draining or expired source, or one lacking the chunk
+            assert r.source != name, "(b) planned onto itself"
+            assert src is not None and self.now - src.last_seen <= EXPIRY, f"(b) expired source {r.source}"
+            if r.source in draining and reads.get(r.chunk) != r.source:
+                assert name in pullers, f"(b) new read from draining {r.source}"
+            assert self.truly_holds(r.source, number, r.chunk), f"(b) {r.source} lacks chunk {r.chunk}"
+            reads[r.chunk] = r.source
+        if reads and data.draw(st.booleans()):
+            self._report(name, (MODEL, number), data)
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def progress(self, name, data):
+        proc = self.procs[name]
+        busy = [k for k, reads in proc.reading.items() if reads]
+        if not proc.registered or not busy:
+            return
+        self._report(name, data.draw(st.sampled_from(sorted(busy))), data)
+
+    def _report(self, name, key, data):
+        proc = self.procs[name]
+        reads = proc.reading[key]
+        done = data.draw(st.lists(st.sampled_from(sorted(reads)), unique=True, min_size=1))
+        corrupt = data.draw(st.booleans()) and len(done) > 1
+        failed = [p.Read(chunk=done[-1], source=reads[done[-1]])] if corrupt else []
+        ok = done[:-1] if corrupt else done
+        for c in done:  # these reads have ended (verified or failed) before the hub hears of it
+            del reads[c]
+        got = self.call(self.hub.progress, p.Progress(name=name, model=key[0], version=key[1], chunks=ok, failed=failed))
+        if isinstance(got, HubFault):
+            if got.code == "not_found":  # the version was dropped: nothing left to read
+                proc.reading.pop(key, None)
+            return
+        proc.chunks.setdefault(key, set()).update(ok)
+
+    @rule(name=st.sampled_from(READERS))
+    def cancel(self, name):
+        proc = self.procs[name]
+        for key in [k for k, r in proc.reading.items() if r]:
+            proc.reading[key].clear()  # a reader cancels only reads it has already stopped
+            self.call(self.hub.cancel, p.Cancel(name=name, model=key[0], version=key[1]))
+
+    @rule(name=st.sampled_from(sorted(PROCS)), pick=st.integers(0, 20))
+    def unpublish(self, name, pick):
+        proc = self.procs[name]
+        held = sorted({k[1] for k in proc.shards} | {k[1] for k in proc.chunks})
+        held = [n for n in held if (name, n) not in self.pending]
+        if not proc.registered or not held:
+            return
+        number = held[pick % len(held)]
+        if proc.reading.get((MODEL, number)):
+            proc.reading[(MODEL, number)].clear()
+            self.call(self.hub.cancel, p.Cancel(name=name, model=MODEL, version=number))
+        self.pending.add((name, number))
+        got = self.call(self.hub.unpublish, p.Unpublish(name=name, model=MODEL, version=number))
+        if isinstance(got, HubFault):
+            self.pending.discard((name, number))
+            if got.code == "not_found":
+                self.forget(proc, number)  # the hub already let it go: free to reuse
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]), silent=st.sets(st.sampled_from(sorted(PROCS)), max_size=2))
+    def advance(self, dt, silent):
+        self.now += dt
+        for proc in self.procs.values():
+            if proc.registered and proc.name not in silent:
+                got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name))
+                assert not isinstance(got, HubFault), got
+
+    @rule()
+    def sweep(self):
+        """The service's periodic expiry, which may lag behind the clock."""
+        dead = self.hub.expire(self.now)
+        for name in dead:  # silent past expiry: treated as dead, their reads ended
+            self.procs[name].registered = False
+            self.procs[name].reading.clear()
+        self.deliver()  # their pending unpublishes are answered (ok=False) before they are forgotten
+        for name in dead:
+            self.die(self.procs[name])
+        self.hub.settle(self.now)
+        self.deliver()
+
+    @rule()
+    def restart_hub(self):
+        """Contract 7: a fresh hub, rebuilt only from what the processes re-register."""
+        self.hub = self._new_hub(grace_s=EXPIRY)
+        order = PUBLISHERS + [n for n in sorted(PROCS) if n not in PUBLISHERS]
+        for name in order:
+            proc = self.procs[name]
+            if not proc.registered:
+                continue
+            holdings = []
+            for (model, number), rank in proc.shards.items():
+                holdings.append(p.Holding(model=model, version=number, world=len(self.manifests[number]),
+                                          shards=[self.manifests[number][rank]], rank=rank))
+            for model, number in sorted(set(proc.chunks) | {k for k, r in proc.reading.items() if r}):
+                chunks = proc.chunks.get((model, number), set())
+                reading = [p.Read(chunk=c, source=s) for c, s in proc.reading.get((model, number), {}).items()]
+                holdings.append(p.Holding(model=model, version=number, world=len(self.manifests[number]),
+                                          shards=self.manifests[number], held=sorted(chunks), reading=reading))
+            got = self.call(self.hub.register, p.Register(info=proc.info(), holdings=holdings))
+            assert not isinstance(got, HubFault), got
+        for name, number in sorted(self.pending):  # clients re-send what the old hub never answered
+            got = self.call(self.hub.unpublish, p.Unpublish(name=name, model=MODEL, version=number))
+            if isinstance(got, HubFault):
+                self.pending.discard((name, number))
+        self.rounds.clear()  # round numbers restart with the hub
+
+    def teardown(self):
+        """Liveness: once readers stop and agents carry out their retention pulls, every
+        unpublish is acknowledged (none hangs)."""
+        if not hasattr(self, "hub"):
+            return
+        for proc in self.procs.values():
+            for key in [k for k, r in proc.reading.items() if r]:
+                proc.reading[key].clear()
+                self.call(self.hub.cancel, p.Cancel(name=proc.name, model=MODEL, version=key[1]))
+        for _ in range(2 * len(PROCS) + 4):
+            if not self.pending:
+                break
+            for agent, number in sorted(self.commands):
+                if self.procs[agent].registered and number in self.hub.models.get(MODEL, {}):
+                    self.pull(agent, number)
+            self.advance(1.0, set())
+            self.sweep()
+        assert not self.pending, f"unpublish never acknowledged: {sorted(self.pending)}"
+
+    def pull(self, agent: str, number: int) -> None:
+        proc = self.procs[agent]
+        key = (MODEL, number)
+        for _ in range(20):
+            got = self.call(self.hub.plan, p.Plan(name=agent, model=MODEL, version=number, window=64))
+            if not isinstance(got, p.Planned) or got.complete or not got.reads:
+                return
+            done = [r.chunk for r in got.reads if self.truly_holds(r.source, number, r.chunk)]
+            proc.chunks.setdefault(key, set()).update(done)  # copied and verified, then reported
+            self.call(self.hub.progress, p.Progress(name=agent, model=MODEL, version=number, chunks=done))
+
+    # --- invariants checked after every step -----------------------------------------
+
+    @invariant()
+    def a_ready_means_every_chunk_has_a_live_holder(self):
+        if not hasattr(self, "hub"):
+            return
+        for number, v in self.hub.models.get(MODEL, {}).items():
+            if v.state != "READY":
+                continue
+            self.ever_ready.add(number)
+            for chunk in range(v.nchunks):
+                holders = [n for n in v.replicas if self.procs[n].registered and self.truly_holds(n, number, chunk)]
+                assert holders, f"(a) v{number} READY but chunk {chunk} has no live holder"
+
+    @invariant()
+    def e_staging_until_covered(self):
+        if not hasattr(self, "hub"):
+            return
+        for number, v in self.hub.models.get(MODEL, {}).items():
+            if len(v.shards) < v.world:
+                assert v.state == "STAGING", f"(e) v{number} is {v.state} with {len(v.shards)}/{v.world} shards"
+
+    @invariant()
+    def g_one_reader_per_dc_crosses(self):
+        if not hasattr(self, "hub"):
+            return
+        crossing: dict[tuple[int, str], set[str]] = {}
+        for proc in self.procs.values():
+            if not proc.registered:
+                continue
+            dc = PROCS[proc.name][2]
+            for (_, number), reads in proc.reading.items():
+                if any(PROCS[s][2] != dc for s in reads.values()):
+                    crossing.setdefault((number, dc), set()).add(proc.name)
+        for key, names in crossing.items():
+            assert len(names) <= 1, f"(g) several readers cross into {key[1]} for v{key[0]}: {names}"
+
+
+HubMachine.TestCase.settings = settings(
+    max_examples=int(__import__("os").environ.get("TH_HYPOTHESIS_EXAMPLES", 1000)), stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestHubStateMachine = HubMachine.TestCase
