@@ -96,31 +96,37 @@ def _load_running(cluster: Optional[str]):
     return name, state
 
 
+def _ask_hub(name: str, state, op, timeout: float = 3.0):
+    """One request to the cluster's hub → (reply, None) or (None, the HubError/HubUnreachable)."""
+    from .hub.client import HubClient, HubError, HubUnreachable
+    from .launch.state import read_token
+
+    client = HubClient(state.hub_address, read_token(name))
+    try:
+        return client.call(op, timeout=timeout), None
+    except (HubUnreachable, HubError) as exc:
+        return None, exc
+    finally:
+        client.close()
+
+
 @app.command()
 def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json"),
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C")) -> None:
     """Hub, nodes (alive, heartbeat age) and versions."""
     from .hub import protocol as p
-    from .hub.client import HubClient, HubError, HubUnreachable
     from .launch.procs import is_ours
-    from .launch.state import read_token
     from .ui.status import render_status
 
     if watch:
         fail("th status --watch: not available yet", 3)
     name, state = _load_running(cluster)
-    client = HubClient(state.hub_address, read_token(name))
-    try:
-        reply, problem = client.call(p.Status(), timeout=3.0), None
-    except (HubUnreachable, HubError) as exc:
-        reply, problem = None, str(exc)
-    finally:
-        client.close()
+    reply, problem = _ask_hub(name, state, p.Status())
     alive = {r.pid: is_ours(r) for r in state.procs}
     if as_json:
         doc = {
             "cluster": name,
-            "hub": {"address": state.hub_address, "reachable": reply is not None, "error": problem,
+            "hub": {"address": state.hub_address, "reachable": reply is not None, "error": str(problem) if problem else None,
                     "pid": state.procs[0].pid if state.procs else None},
             "processes": [{"role": r.role, "node": r.node, "pid": r.pid, "running": alive[r.pid], "log": r.log}
                           for r in state.procs],
@@ -133,6 +139,61 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
             err.print(f"hub: {problem}", markup=False)
     if reply is None:
         raise typer.Exit(1)
+
+
+@app.command()
+def versions(model: Optional[str] = typer.Argument(None, help="only this model"), cluster: Optional[str] = ClusterOpt,
+             as_json: bool = typer.Option(False, "--json")) -> None:
+    """Versions the hub knows: state (STAGING, READY, UNAVAILABLE), size, replicas."""
+    from .hub import protocol as p
+    from .ui.status import render_versions
+
+    name, state = _load_running(cluster)
+    reply, problem = _ask_hub(name, state, p.Versions(model=model))
+    if reply is None:
+        fail(f"th versions: {problem}", 2 if getattr(problem, "code", None) == "not_found" else 1)
+    if as_json:
+        print(json.dumps(msgspec.to_builtins(reply.versions), indent=2))
+    else:
+        render_versions(out, reply.versions)
+
+
+BENCH_WORKLOADS = ("hub",)
+
+
+@app.command()
+def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join(BENCH_WORKLOADS)}"),
+          as_json: bool = typer.Option(False, "--json", help="print only the JSON result"),
+          plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart (workloads that have one)"),
+          endpoints: int = typer.Option(1000, min=2, help="hub: simulated endpoints"),
+          tensors: int = typer.Option(1000, min=1, help="hub: tensors per manifest"),
+          chunk_mb: int = typer.Option(64, min=1, help="hub: chunk size in MiB"),
+          depth: int = typer.Option(64, min=1, help="hub: requests in flight in the throughput phase"),
+          planner: str = typer.Option("ros", help="hub: ros, or star (the all-from-publisher baseline)"),
+          timeout: float = typer.Option(600.0, min=1, help="seconds before a phase counts as stuck"),
+          profile: Optional[Path] = typer.Option(None, help="hub: write a cProfile of the hub process here")) -> None:
+    """Measure a workload and print JSON (ratios and latencies measured in one run)."""
+    if workload not in BENCH_WORKLOADS:
+        fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
+    if plot is not None:
+        fail(f"th bench {workload}: --plot: this workload has no chart", 2)
+    if planner not in ("ros", "star"):
+        fail(f"th bench {workload}: --planner must be ros or star, got {planner!r}", 2)
+    from .bench import hub as hub_bench
+
+    if not as_json:
+        err.print(f"bench hub: {endpoints} endpoints, {tensors}-tensor manifests, hub pinned to one core …",
+                  highlight=False)
+    try:
+        result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth,
+                               planner=planner, timeout_s=timeout, profile=profile)
+    except hub_bench.BenchError as exc:
+        fail(f"th bench {workload}: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        from .ui.status import render_bench_hub
+
+        render_bench_hub(err, result)
 
 
 @app.command()
@@ -173,8 +234,7 @@ def _not_yet(name: str, issue: str):
     app.command(name, help=f"(not available yet: lands with the {issue} issue)", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
 
 
-for _name, _issue in (("publish", "data-plane"), ("sync", "data-plane"), ("versions", "hub"),
-                      ("scale", "RL-loop"), ("failover", "RL-loop"), ("bench", "hub")):
+for _name, _issue in (("publish", "data-plane"), ("sync", "data-plane"), ("scale", "RL-loop"), ("failover", "RL-loop")):
     _not_yet(_name, _issue)
 
 

@@ -80,3 +80,22 @@ class HubClient:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+def wait_for_hub(address: str, token: str, timeout: float, alive=lambda: True) -> None:
+    """Return once the hub at ``address`` answers a ``Status``; raise ``HubUnreachable``
+    after ``timeout`` seconds, or as soon as ``alive()`` says the hub process died."""
+    client = HubClient(address, token)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                client.call(p.Status(), timeout=0.5)
+                return
+            except HubUnreachable:
+                if not alive():
+                    raise HubUnreachable(f"hub process for {address} exited during start-up") from None
+                if time.monotonic() > deadline:
+                    raise HubUnreachable(f"hub at {address} did not answer within {timeout:.0f}s") from None
+    finally:
+        client.close()

@@ -64,6 +64,9 @@ class Version:
     pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
     draining: set[str] = field(default_factory=set)  # replicas waiting for their pins to drain
     avoid: dict[str, set[str]] = field(default_factory=dict)  # reader -> sources that failed it
+    # Replicas holding anything, by topology group (node, rack, DC), kept by the hub so a
+    # plan walks the holders near its reader instead of every endpoint there.
+    near: dict[tuple, set[str]] = field(default_factory=dict)
 
     @property
     def assembled(self) -> bool:
@@ -99,6 +102,8 @@ class Version:
         out = 0
         for rep in self.replicas.values():
             out |= rep.held
+            if out == self.full:
+                break
         return out
 
     def missing(self) -> list[int]:

@@ -17,12 +17,13 @@ import time
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from . import protocol as p
 from .state import Acked, Hub, HubFault, Send
 
 log = logging.getLogger("tensorhub.hub")
+BATCH = 256  # requests answered per event-loop wake-up; bounds how long a sweep can wait
+_POLLIN, _NOBLOCK = int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: enum arithmetic costs per call
 
 _DISPATCH = {
     p.Register: "register",
@@ -45,7 +46,7 @@ class HubService:
         self.bind = bind
         self.clock = clock
         self.sweep_s = sweep_s or max(0.05, hub.config.expiry_s / 5)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -114,32 +115,59 @@ class HubService:
                 out.append((self.idents[event.endpoint], self._reply(0, event.body)))
         return out
 
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self.sweep_s)
-            for name in self.hub.expire(self.clock()):
-                log.warning("endpoint %s expired", name)
-                self.idents.pop(name, None)
-            # Drains are also judged by time (the post-restart grace), so settle here too.
-            self.hub.settle(self.clock())
-            for ident, frame in self.outbound():
-                await self._sock.send_multipart([ident, frame])
+    def sweep(self) -> list[tuple[bytes, bytes]]:
+        for name in self.hub.expire(self.clock()):
+            log.warning("endpoint %s expired", name)
+            self.idents.pop(name, None)
+        # Drains are also judged by time (the post-restart grace), so settle here too.
+        self.hub.settle(self.clock())
+        return self.outbound()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        sweeper = asyncio.create_task(self._sweep())
-        stopper = asyncio.create_task(stop.wait())
+        """Run until ``stop`` is set. Requests are answered from a reader callback on the
+        socket's FD, not by a coroutine per request: each call answers every request zmq
+        already holds, up to ``BATCH``, with non-blocking calls, and reschedules itself
+        when more are left, so a busy hub pays for one wake-up per batch. The sweep is a
+        timer callback every ``sweep_s``; ops never overlap, as all run on this loop.
+
+        zmq's FD is edge-triggered and only says "events may have changed", so a batch
+        ends by reading ``zmq.EVENTS`` (which re-arms the FD) and goes on if it says
+        requests are waiting."""
+        loop = asyncio.get_running_loop()
+        fd = self._sock.getsockopt(zmq.FD)
+        sweeper = None
+
+        def drain() -> None:
+            for _ in range(BATCH):
+                if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                    return
+                ident, *frames = self._sock.recv_multipart(_NOBLOCK)
+                self._send(self.handle(ident, frames))
+            loop.call_soon(drain)  # a full batch: let timers and signals in, then go on
+
+        def sweep() -> None:
+            nonlocal sweeper
+            self._send(self.sweep())
+            sweeper = loop.call_later(self.sweep_s, sweep)
+            drain()  # sending may have consumed the FD's edge while requests wait
+
+        loop.add_reader(fd, drain)
+        sweeper = loop.call_later(self.sweep_s, sweep)
+        loop.call_soon(drain)  # requests that arrived before the reader was added
         try:
-            while not stop.is_set():
-                recv = asyncio.ensure_future(self._sock.recv_multipart())
-                done, _ = await asyncio.wait({recv, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if recv not in done:
-                    recv.cancel()
-                    break
-                ident, *frames = recv.result()
-                for to, frame in self.handle(ident, frames):
-                    await self._sock.send_multipart([to, frame])
+            await stop.wait()
         finally:
+            loop.remove_reader(fd)
             sweeper.cancel()
-            stopper.cancel()
             self._sock.close(linger=0)
             self._ctx.term()
+
+    def _send(self, frames: list[tuple[bytes, bytes]]) -> None:
+        for to, frame in frames:
+            try:
+                # A ROUTER never blocks on send: a peer that is gone or over its
+                # high-water mark loses the frame, and retries on its own timeout.
+                self._sock.send_multipart([to, frame], _NOBLOCK)
+            except zmq.ZMQError as exc:
+                self.hub.count("errors.send")
+                log.debug("reply to %r dropped: %s", to, exc)

@@ -17,12 +17,16 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from ..planner import Candidate, Place, choose, cost
-from ..planner.plan import LEVELS, REMOTE
+from ..planner import Candidate, Place, choose, groups
+from ..planner.plan import LEVELS
 from . import protocol as p
 from .groups import Round, round_over
 from .registry import READY, UNAVAILABLE, Replica, Version
 from .retention import Policy, pulls_needed, retained, short
+
+
+_LEVEL_KEYS = [f"bytes_planned.level.{name}" for name in LEVELS]
+_TIER_KEYS = {tier: f"bytes_planned.tier.{tier}" for tier in ("device", "host")}
 
 
 class HubFault(Exception):
@@ -89,6 +93,7 @@ class Hub:
         self.models: dict[str, dict[int, Version]] = {}
         self.rounds: dict[tuple[str, str], Round] = {}
         self.load: dict[str, int] = {}  # reads in flight per source, all versions
+        self.near: dict[tuple, set[str]] = {}  # topology group (node, rack, dc) -> endpoint names
         self.counters: dict[str, float] = {}
         self._outbound: list[Acked | Send] = []
         # after a restart: rebuilt reads whose source has not re-registered yet
@@ -149,7 +154,9 @@ class Hub:
             raise HubFault("conflict", f"endpoint name {op.info.name!r} is held by a live endpoint (pid {old.info.pid})")
         if old is not None:
             self._drop_endpoint(now, old.name)
-        self.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now)
+        ep = self.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now)
+        for key in groups(ep.place):
+            self.near.setdefault(key, set()).add(ep.name)
         self.count("registrations")
         for holding in op.holdings:
             try:
@@ -183,7 +190,12 @@ class Hub:
 
     def _drop_endpoint(self, now: float, name: str) -> None:
         """Contract 6: a gone endpoint loses every reference, pin and read it had."""
-        self.endpoints.pop(name, None)
+        ep = self.endpoints.pop(name, None)
+        for key in groups(ep.place) if ep else ():
+            group = self.near[key]
+            group.discard(name)
+            if not group:
+                del self.near[key]
         for versions in self.models.values():
             for v in versions.values():
                 for chunk in list(v.reads.get(name, {})):
@@ -191,7 +203,8 @@ class Hub:
                 for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
                     for chunk in [c for c, s in v.reads[reader].items() if s == name]:
                         self._unpin(v, reader, chunk)
-                v.replicas.pop(name, None)
+                if v.replicas.pop(name, None) is not None and ep is not None:
+                    self._unindex(v, name, ep.place)
                 if name in v.draining:
                     v.draining.discard(name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
@@ -229,12 +242,34 @@ class Hub:
         v.shards[rank], v.shard_digests[rank] = manifest, digest
         if rep is None:
             rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
-        v.assemble()
+        self._assemble(v)
         if v.assembled:
             rep.held |= v.shard_mask(rank)
+            self._index(v, name)
         if v.refresh() == READY:
             self._drop_old(model)
         return v
+
+    def _assemble(self, v: Version) -> None:
+        """Assembly gives every publisher its shard's chunks at once: index them all."""
+        if not v.assembled:
+            v.assemble()
+            for name, rep in v.replicas.items():
+                if rep.held:
+                    self._index(v, name)
+
+    def _index(self, v: Version, name: str) -> None:
+        for key in groups(self.endpoints[name].place):
+            v.near.setdefault(key, set()).add(name)
+
+    @staticmethod
+    def _unindex(v: Version, name: str, place: Place) -> None:
+        for key in groups(place):
+            holders = v.near.get(key)
+            if holders is not None:
+                holders.discard(name)
+                if not holders:
+                    del v.near[key]
 
     def _restore(self, now: float, name: str, h: p.Holding) -> None:
         if h.rank >= 0:
@@ -256,7 +291,7 @@ class Hub:
         for rank, m in enumerate(h.shards):  # a reader knows every shard, even those whose publisher is gone
             v.shards.setdefault(rank, m)
             v.shard_digests.setdefault(rank, digests[rank])
-        v.assemble()
+        self._assemble(v)
         v.ever_ready = True  # readers only ever read READY versions: a gap now means UNAVAILABLE
         held = 0
         for c in h.held:
@@ -264,6 +299,8 @@ class Hub:
                 held |= 1 << c
         rep = v.replicas.setdefault(name, Replica(endpoint=name))
         rep.held |= held
+        if held:
+            self._index(v, name)
         for r in h.reading:
             # Pin even a source that has not re-registered yet: if it is alive and
             # unpublishes, this read in flight must still hold its drain back.
@@ -339,6 +376,11 @@ class Hub:
         reader = self._endpoint(op.name)
         v = self._version(op.model, op.version)
         self._require_ready(v)
+        if op.name in v.draining:
+            # Its buffer is being let go: reads into it would be lost, and their pins
+            # would outlive the replica they were filling.
+            raise HubFault("draining", f"{op.name} is unpublishing {v.model}@{v.number}; "
+                                       "it cannot fetch that version until the unpublish is acknowledged")
         rep = v.replicas.get(op.name)
         if rep is None:  # a reader is a (partial) holder from its first plan on
             rep = v.replicas[op.name] = Replica(endpoint=op.name)
@@ -350,18 +392,22 @@ class Hub:
         for chunk in reads:
             assigned |= 1 << chunk
         window = max(1, min(op.window, self.config.max_window))
+        needed = v.full & ~rep.held & ~assigned
         result = choose(
-            needed=v.full & ~rep.held & ~assigned,
+            needed=needed,
             start=zlib.crc32(op.name.encode()) % v.nchunks,
             limit=window - len(reads),
-            candidates=self._candidates(now, v, reader),
+            levels=self._levels(now, v, reader, needed),
             may_cross=self._may_cross(v, reader),
         )
+        planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
         for chunk, source, level in result.assigned:
             self._pin(v, op.name, chunk, source)
             nbytes = v.chunk_nbytes[chunk]
-            self.count(f"bytes_planned.level.{LEVELS[level]}", nbytes)
-            self.count(f"bytes_planned.tier.{self.endpoints[source].info.tier}", nbytes)
+            for key in (_LEVEL_KEYS[level], _TIER_KEYS[self.endpoints[source].info.tier]):
+                planned[key] = planned.get(key, 0) + nbytes
+        for key, nbytes in planned.items():
+            self.count(key, nbytes)
         if result.crossed:
             v.seeds[reader.place.dc] = op.name
         self.count("plans")
@@ -400,24 +446,46 @@ class Hub:
             return True
         return False
 
-    def _candidates(self, now: float, v: Version, reader: Endpoint) -> list[Candidate]:
+    def _levels(self, now: float, v: Version, reader: Endpoint, needed: int):
+        """Candidates for ``reader`` one topology level at a time, each built only when
+        the planner asks for it. Levels 0–2 walk the version's holders in the reader's
+        node, rack and DC (``Version.near``), so a plan does not scan the cluster; a
+        holder of nothing the reader ``needed`` is no candidate at all."""
         star = self.config.planner == "star"
         retention_pull = reader.name in v.pulls
         avoid = v.avoid.get(reader.name, ())
-        out = []
-        for name, rep in v.replicas.items():
-            if name == reader.name or not rep.held or (star and rep.rank < 0):
-                continue
-            # Draining replicas take no new reads, except the retention copy of themselves.
-            if name in v.draining and not retention_pull:
-                continue
-            ep = self.endpoints.get(name)
-            if ep is None or now - ep.last_seen > self.config.expiry_s:
-                continue
-            level = cost(reader.place, ep.place)
-            out.append(Candidate(name=name, held=rep.held, level=0 if star else level, load=self.load.get(name, 0),
-                                 suspect=name in avoid))
-        return out
+        here = reader.place
+        keys = groups(here)
+        replicas, endpoints, load = v.replicas, self.endpoints, self.load
+        expiry, me = self.config.expiry_s, reader.name
+        # Draining replicas take no new reads, except the retention copy of themselves.
+        closed = () if retention_pull else v.draining
+
+        def gather(n: int, names):
+            """The eligible holders among ``names``, all at level n. (The hot loop of
+            a plan: locals bound above, cheapest tests first.)"""
+            for name in names:
+                rep = replicas.get(name)
+                if rep is None or not rep.held & needed or name == me or name in closed:
+                    continue
+                if star and rep.rank < 0:
+                    continue
+                ep = endpoints.get(name)
+                if ep is None or now - ep.last_seen > expiry:
+                    continue
+                yield Candidate(name, rep.held, n, load.get(name, 0), name in avoid)
+
+        if star:  # the baseline: publishers only, topology ignored
+            yield 0, gather(0, replicas)
+            return
+        # Holders come from the version's index; what is cut out as a cheaper level
+        # comes from where endpoints are, which the index cannot get wrong. (Set
+        # difference runs in C: a DC of holders costs microseconds, not a Python loop.)
+        inner: set[str] = set()
+        for n, key in enumerate(keys):
+            yield n, gather(n, v.near.get(key, set()) - inner)
+            inner = self.near.get(key, set())
+        yield len(keys), gather(len(keys), replicas.keys() - inner)
 
     def _source(self, name: str) -> p.Source:
         info = self.endpoints[name].info
@@ -435,6 +503,8 @@ class Hub:
         for c in op.chunks:
             rep.held |= 1 << c
             self._unpin(v, op.name, c)
+        if op.chunks:
+            self._index(v, op.name)
         for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
             if v.reads.get(op.name, {}).get(r.chunk) == r.source:
                 self._unpin(v, op.name, r.chunk)
@@ -442,7 +512,7 @@ class Hub:
                 self.count("reads_failed")
         self.count("chunks_reported", len(op.chunks))
         was = v.state
-        if v.refresh() == READY and was != READY:
+        if was != READY and v.refresh() == READY:  # adding chunks cannot uncover a READY version
             self._drop_old(v.model)
             self._settle(now)
         elif v.pulls or v.draining:
@@ -469,6 +539,7 @@ class Hub:
         if rep is None:
             raise HubFault("not_found", f"{op.name} holds no replica of {op.model}@{op.version}")
         v.draining.add(op.name)  # contract 3: no new reads from here on
+        v.pulls.discard(op.name)  # a retention copy it was making is abandoned with it
         self.count("unpublishes")
         self._settle(now, v)
         return None
@@ -493,6 +564,7 @@ class Hub:
                 if self._drained(now, v, name, kept, policy):
                     v.draining.discard(name)
                     del v.replicas[name]
+                    self._unindex(v, name, self.endpoints[name].place)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
                     self.count("unpublish_acks")
                     if not v.replicas:  # its holders let it go: forget it
@@ -518,8 +590,9 @@ class Hub:
 
     def _pull_candidates(self, now: float, v: Version) -> list[str]:
         agents = [ep for ep in self.endpoints.values()
+                  # an agent letting its own replica go cannot be the one to keep a copy
                   if ep.info.kind == "agent" and self._alive(now, ep.name) and ep.name not in v.pulls
-                  and not (ep.name in v.replicas and ep.name not in v.draining and v.complete(ep.name))]
+                  and ep.name not in v.draining and not v.complete(ep.name)]
         agents.sort(key=lambda ep: (not ep.info.reliable, self.load.get(ep.name, 0), ep.name))
         return [ep.name for ep in agents]
 

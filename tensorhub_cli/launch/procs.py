@@ -97,6 +97,18 @@ def stop(rec: ProcRecord, timeout: float = 5.0) -> str:
     return "would not die"
 
 
+def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Stop a child this process started and still holds (so its PID cannot have been
+    reused): SIGTERM, SIGKILL after ``timeout``, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
 def _reap(pid: int) -> None:
     try:
         os.waitpid(pid, os.WNOHANG)

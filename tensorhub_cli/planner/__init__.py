@@ -1,5 +1,5 @@
 """Pure planning: which holder serves which chunk to which reader, given topology."""
 
-from .plan import LEVELS, Candidate, PlanResult, Place, choose, cost
+from .plan import LEVELS, Candidate, PlanResult, Place, choose, groups
 
-__all__ = ["LEVELS", "Candidate", "PlanResult", "Place", "choose", "cost"]
+__all__ = ["LEVELS", "Candidate", "PlanResult", "Place", "choose", "groups"]

@@ -6,15 +6,21 @@ only other-DC holders have; the seed's partial replica will offer them soon. Loa
 reads in flight from a source, counted as they are assigned, so one plan call already
 spreads its chunks over equally cheap sources.
 
-Readers start their walk over chunk ids at different offsets (``start``), so readers
-that begin together fetch different chunks first and can serve each other sooner.
+Assignment is greedy by source, not by chunk: the best candidate (trusted before
+suspect, cheapest level, least load) takes the next unassigned chunk it holds, so
+chunks cheap sources have go first and a chunk only a dear source has waits its turn
+(a nearer partial holder may have it by the next plan). Each source's pick starts at
+a per-reader offset (``start``), so readers that begin together fetch different
+chunks first and can serve each other sooner. Cost: O(candidates + window · log
+candidates) big-int operations per plan.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+from typing import Iterable
 
-from ..hub.registry import bits
 
 LEVELS = ("node", "rack", "dc", "remote")
 REMOTE = 3
@@ -27,56 +33,98 @@ class Place:
     dc: str
 
 
-def cost(reader: Place, source: Place) -> int:
-    if reader.dc != source.dc:
-        return REMOTE
-    if reader.rack != source.rack:
-        return 2
-    return 0 if reader.node == source.node else 1
+def groups(place: Place) -> tuple[tuple, ...]:
+    """The topology groups a place belongs to, narrowest first: node ⊂ rack ⊂ DC. A
+    source's level for a reader is the index of the narrowest group they share (3, or
+    REMOTE, if none)."""
+    return ("node", place.dc, place.rack, place.node), ("rack", place.dc, place.rack), ("dc", place.dc)
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
+    """A holder a reader may read from. Better first: trusted, cheaper level, less load,
+    then name (so plans are deterministic); ``_rank`` is that order."""
+
     name: str
     held: int
     level: int
     load: int
     suspect: bool = False  # failed this reader before: used only when nothing else holds the chunk
 
-    def key(self) -> tuple:
-        return (self.suspect, self.level, self.load, self.name)
+
+def _rank(c: Candidate, i: int) -> tuple:
+    return (c.suspect, c.level, c.load, c.name, i)
 
 
 @dataclass
 class PlanResult:
     assigned: list[tuple[int, str, int]] = field(default_factory=list)  # (chunk, source, level)
-    waiting: int = 0  # chunks seen (before the limit was reached) that no allowed source holds yet
+    waiting: int = 0  # needed chunks no allowed source holds (counted when every level was built)
 
     @property
     def crossed(self) -> bool:
         return any(level == REMOTE for _, _, level in self.assigned)
 
 
-def choose(needed: int, start: int, limit: int, candidates: list[Candidate], may_cross: bool) -> PlanResult:
-    """Assign up to ``limit`` chunks of ``needed`` (a bitset) to ``candidates``."""
-    ranked = sorted(candidates, key=Candidate.key)
-    if not may_cross:
-        ranked = [c for c in ranked if c.level < REMOTE]
-    result = PlanResult()
-    for chunk in bits(needed, start):
-        if len(result.assigned) >= limit:
+def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iterable[Candidate]]],
+           may_cross: bool) -> PlanResult:
+    """Assign up to ``limit`` chunks of ``needed`` (a bitset) to candidates.
+
+    ``levels`` yields ``(level, candidates)`` cheapest level first, and is consumed only
+    until the trusted (non-suspect) candidates seen so far hold ``limit`` of the needed
+    chunks. A dearer source is only ever popped once no cheaper one holds a chunk still
+    unassigned, so the levels not built cannot change the result; that keeps a plan's
+    cost near the size of the reader's own rack, not of the cluster.
+    """
+    if limit <= 0 or not needed:
+        return PlanResult()
+    ranked: list[Candidate] = []
+    suspects: list[Candidate] = []
+    covered = 0
+    enough = min(limit, _popcount(needed))
+    exhausted = True
+    for level, candidates in levels:
+        if level == REMOTE and not may_cross:
             break
-        bit = 1 << chunk
-        for i, cand in enumerate(ranked):
-            if cand.held & bit:
-                break
-        else:
-            result.waiting += 1
-            continue
+        for cand in candidates:
+            if cand.suspect:
+                suspects.append(cand)
+            else:
+                ranked.append(cand)
+                covered |= cand.held
+        if _popcount(needed & covered) >= enough:
+            exhausted = False
+            break
+    if exhausted:  # every allowed level is in: suspects are the last resort
+        ranked += suspects
+        for cand in suspects:
+            covered |= cand.held
+    result = PlanResult(waiting=_popcount(needed & ~covered) if exhausted else 0)
+    # Greedy by source: the cheapest, least-loaded candidate takes the next chunk it
+    # holds that is still unassigned, its load grows by one, and it goes back in line.
+    heap = [_rank(c, i) for i, c in enumerate(ranked)]
+    heapq.heapify(heap)
+    left = needed
+    while heap and left and len(result.assigned) < limit:
+        *_, i = heapq.heappop(heap)
+        cand = ranked[i]
+        chunk = first_bit(left & cand.held, start)
+        if chunk < 0:
+            continue  # holds nothing still needed: out of line for good
+        left &= ~(1 << chunk)
         result.assigned.append((chunk, cand.name, cand.level))
         cand.load += 1
-        # keep ``ranked`` sorted: only this candidate's key grew
-        while i + 1 < len(ranked) and ranked[i + 1].key() < cand.key():
-            ranked[i], ranked[i + 1] = ranked[i + 1], ranked[i]
-            i += 1
+        heapq.heappush(heap, _rank(cand, i))
     return result
+
+
+def first_bit(mask: int, start: int) -> int:
+    """Lowest set bit of ``mask`` at or after ``start``, wrapping around; -1 if none."""
+    high = mask >> start
+    if high:
+        return start + (high & -high).bit_length() - 1
+    return (mask & -mask).bit_length() - 1 if mask else -1
+
+
+def _popcount(mask: int) -> int:
+    return bin(mask).count("1")

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from tensorhub_cli.hub import protocol as p
-from tensorhub_cli.hub.client import HubClient, HubError
+from tensorhub_cli.hub.client import HubClient, HubError, HubUnreachable, wait_for_hub
+from tensorhub_cli.launch.procs import stop_child
 
 from ..conftest import free_port
 
@@ -18,26 +19,32 @@ pytestmark = pytest.mark.integration
 TOKEN = "t" * 32
 
 
-@pytest.fixture
-def hub(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    address = f"tcp://127.0.0.1:{free_port()}"
+def start_hub(token_file, address: str, expiry_s: float = 1.0) -> tuple[subprocess.Popen, HubClient]:
     proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", address,
-                             "--token-file", str(token_file), "--expiry-s", "1.0"],
+                             "--token-file", str(token_file), "--expiry-s", str(expiry_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    client = HubClient(address, TOKEN)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            client.call(p.Status(), timeout=0.5)
-            break
-        except Exception:
-            assert proc.poll() is None and time.monotonic() < deadline, "hub did not come up"
+    try:
+        wait_for_hub(address, TOKEN, timeout=15, alive=lambda: proc.poll() is None)
+    except HubUnreachable as exc:
+        stop_child(proc)
+        raise AssertionError(f"{exc}: {proc.stdout.read().decode(errors='replace')}") from None
+    return proc, HubClient(address, TOKEN)
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return path
+
+
+@pytest.fixture
+def hub(token_file):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address)
     yield address, client, proc
     client.close()
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_child(proc)
 
 
 def raw_exchange(address: str, frames: list[bytes]) -> p.Reply:
@@ -103,3 +110,54 @@ def test_silent_endpoint_expires(hub):
     with pytest.raises(HubError) as exc:
         client.call(p.Heartbeat(name="quiet"), timeout=5)
     assert exc.value.code == "unknown_endpoint"
+
+
+def manifest(nchunks: int) -> p.Manifest:
+    tensors = [p.TensorMeta(name=f"w{i}", dtype="uint8", shape=[64], nbytes=64, offset=64 * i) for i in range(nchunks)]
+    return p.Manifest(tensors=tensors, chunks=[p.ChunkMeta(nbytes=64, checksum=i) for i in range(nchunks)],
+                      chunk_bytes=64)
+
+
+def test_hub_restart_rebuilds_the_registry_and_a_reader_carries_on(token_file):
+    """Kill -9 the hub mid-fetch; the new one learns everything back from re-registrations."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address, expiry_s=5.0)
+    try:
+        client.call(p.Register(info=info("trainer")), timeout=5)
+        client.call(p.Register(info=p.EndpointInfo(name="reader", node="n2", pid=2)), timeout=5)
+        client.call(p.Publish(name="trainer", model="policy", version=3, manifest=manifest(4)), timeout=5)
+        first = client.call(p.Plan(name="reader", model="policy", version=3, window=2), timeout=5)
+        done = [first.reads[0].chunk]
+        client.call(p.Progress(name="reader", model="policy", version=3, chunks=done), timeout=5)
+        reading = client.call(p.Plan(name="reader", model="policy", version=3, window=2), timeout=5).reads
+        proc.kill()  # a crash, not a clean stop: nothing is saved
+        proc.wait(timeout=10)
+        client.close()
+
+        proc, client = start_hub(token_file, address, expiry_s=5.0)
+        assert client.call(p.Versions(), timeout=5).versions == []
+        with pytest.raises(HubError) as exc:
+            client.call(p.Heartbeat(name="trainer"), timeout=5)
+        assert exc.value.code == "unknown_endpoint"  # what makes endpoints re-register
+        client.call(p.Register(info=info("trainer"), holdings=[
+            p.Holding(model="policy", version=3, world=1, shards=[manifest(4)], rank=0)]), timeout=5)
+        client.call(p.Register(info=p.EndpointInfo(name="reader", node="n2", pid=2), holdings=[
+            p.Holding(model="policy", version=3, world=1, shards=[manifest(4)], held=done, reading=reading)]),
+            timeout=5)
+        [v] = client.call(p.Versions(model="policy"), timeout=5).versions
+        assert (v.version, v.state, v.chunks, v.replicas) == (3, "READY", 4, 2)
+        # The reads in flight survived the crash: the next plan returns them, not new ones.
+        again = client.call(p.Plan(name="reader", model="policy", version=3, window=2), timeout=5)
+        assert sorted(r.chunk for r in again.reads) == sorted(r.chunk for r in reading)
+        rest = [c for c in range(4) if c not in done]
+        while rest:
+            client.call(p.Progress(name="reader", model="policy", version=3,
+                                   chunks=[r.chunk for r in again.reads]), timeout=5)
+            rest = [c for c in rest if c not in {r.chunk for r in again.reads}]
+            again = client.call(p.Plan(name="reader", model="policy", version=3, window=2), timeout=5)
+        assert again.complete
+        [v] = client.call(p.Versions(model="policy"), timeout=5).versions
+        assert v.complete_replicas == 2
+    finally:
+        client.close()
+        stop_child(proc)

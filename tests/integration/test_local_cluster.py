@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -72,6 +73,45 @@ def test_up_status_down_leaves_nothing(cluster, th_home, local_spec):
     assert not (th_home / name / "state.json").exists()
     assert th("status", "-c", name).returncode == 2
 
+
+def test_versions_lists_what_the_hub_holds(cluster):
+    from tensorhub_cli.hub import protocol as p
+    from tensorhub_cli.hub.client import HubClient
+    from tensorhub_cli.launch.state import read_state, read_token
+
+    name, _ = cluster
+    assert json.loads(th("versions", "-c", name, "--json", check=True).stdout) == []
+    address, token = read_state(name).hub_address, read_token(name)
+    client = HubClient(address, token)
+    stop = threading.Event()
+
+    def beat():  # an endpoint that stops beating loses its references (its own client: one per thread)
+        beater = HubClient(address, token)
+        while not stop.wait(0.3):
+            beater.call(p.Heartbeat(name="trainer-0"))
+        beater.close()
+
+    beater = threading.Thread(target=beat)
+    try:
+        client.call(p.Register(info=p.EndpointInfo(name="trainer-0", node="node1", pid=os.getpid())))
+        beater.start()
+        tensors = [p.TensorMeta(name="w", dtype="uint8", shape=[3000], nbytes=3000, offset=0)]
+        chunks = [p.ChunkMeta(nbytes=1024, checksum=1), p.ChunkMeta(nbytes=1024, checksum=2),
+                  p.ChunkMeta(nbytes=952, checksum=3)]
+        client.call(p.Publish(name="trainer-0", model="policy", version=7,
+                              manifest=p.Manifest(tensors=tensors, chunks=chunks, chunk_bytes=1024)))
+        listed = json.loads(th("versions", "policy", "-c", name, "--json", check=True).stdout)
+        assert [(v["model"], v["version"], v["state"], v["chunks"], v["nbytes"], v["replicas"]) for v in listed] == [
+            ("policy", 7, "READY", 3, 3000, 1)]
+        typo = th("versions", "polcy", "-c", name)
+        assert typo.returncode == 2 and "'polcy' has no versions" in typo.stderr
+        table = th("versions", "-c", name, check=True).stdout
+        assert "policy" in table and "READY" in table
+    finally:
+        stop.set()
+        if beater.is_alive():
+            beater.join(timeout=10)
+        client.close()
 
 def test_killed_agent_shows_not_alive_within_expiry(cluster, local_spec):
     name, procs = cluster

@@ -192,6 +192,29 @@ def test_unpublish_of_last_retained_copy_pulls_to_an_agent_first():
     assert state(hub, 1) == "READY" and hub.models["policy"][1].complete("agent-n1")
 
 
+def test_a_draining_replica_cannot_fetch_and_an_agent_letting_go_stops_pulling():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t0", node="n0"), info("t1", node="n0"), info("agent-n1", node="n1", kind="agent"))
+    publish(hub, 0, "t0", 1, manifest(2), rank=0, world=2)
+    publish(hub, 0, "t1", 1, manifest(2, salt=1), rank=1, world=2)
+    # Two shards, no complete reliable copy: the agent is asked for one.
+    assert [s.endpoint for s in sends(hub.take_outbound())] == ["agent-n1"]
+    plan = hub.plan(0, p.Plan(name="agent-n1", model="policy", version=1, window=1))
+    hub.progress(0, p.Progress(name="agent-n1", model="policy", version=1, chunks=[r.chunk for r in plan.reads]))
+    hub.unpublish(0, p.Unpublish(name="agent-n1", model="policy", version=1))
+    # The only agent gave its copy up: nobody is left to pull, so the drain completes.
+    assert [a.endpoint for a in acks(hub.take_outbound())] == ["agent-n1"]
+    # Once its drain is over it is a candidate like any other, and the version is still short.
+    reg(hub, 1, info("agent-n2", node="n2", kind="agent"))
+    asked = [s.endpoint for s in sends(hub.take_outbound())]
+    assert asked == ["agent-n1"]
+    hub.plan(1, p.Plan(name="agent-n1", model="policy", version=1, window=1))
+    hub.unpublish(1, p.Unpublish(name="agent-n1", model="policy", version=1))
+    assert [s.endpoint for s in sends(hub.take_outbound())] == ["agent-n2"]  # the pull moves on
+    with pytest.raises(HubFault) as exc:
+        hub.plan(1, p.Plan(name="agent-n1", model="policy", version=1))
+    assert exc.value.code == "draining" and "agent-n1 is unpublishing policy@1" in exc.value.message
+
 def test_unpublish_without_any_agent_still_completes():
     hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
     reg(hub, 0, info("t"))

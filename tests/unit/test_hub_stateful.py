@@ -1,4 +1,4 @@
-"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(g).
+"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(h).
 
 The test keeps its own *truth* — what each simulated process really holds in memory
 and which reads it really has in flight — and checks the hub against it after every
@@ -35,6 +35,12 @@ PROCS = {
 }
 PUBLISHERS = ["t0", "t1"]
 READERS = ["r0", "r1", "r2", "r3", "agent-a3", "agent-b2"]
+
+
+def level(reader: str, source: str) -> int:
+    """0 same node, 1 same rack, 2 same DC, 3 other DC (node and rack names are unique)."""
+    (n1, r1, d1), (n2, r2, d2) = PROCS[reader][:3], PROCS[source][:3]
+    return 0 if n1 == n2 else 1 if r1 == r2 else 2 if d1 == d2 else 3
 
 
 @dataclass
@@ -255,9 +261,28 @@ class HubMachine(RuleBasedStateMachine):
             if r.source in draining and reads.get(r.chunk) != r.source:
                 assert name in pullers, f"(b) new read from draining {r.source}"
             assert self.truly_holds(r.source, number, r.chunk), f"(b) {r.source} lacks chunk {r.chunk}"
+            if reads.get(r.chunk) != r.source:
+                self.check_nearest(name, v, r, draining, pullers)
             reads[r.chunk] = r.source
         if reads and data.draw(st.booleans()):
             self._report(name, (MODEL, number), data)
+
+    def check_nearest(self, reader: str, v, read: p.Read, draining: set[str], pullers: set[str]) -> None:
+        """(h) contract 8: a new read from a trusted source comes from the cheapest level
+        any eligible trusted holder of that chunk is at (brute force over every replica,
+        levels from PROCS, against the planner's lazily built levels)."""
+        avoid = v.avoid.get(reader, set())
+        if read.source in avoid:
+            return
+
+        def eligible(name: str) -> bool:
+            ep = self.hub.endpoints.get(name)
+            return (name != reader and name not in avoid and ep is not None and self.now - ep.last_seen <= EXPIRY
+                    and (name not in draining or reader in pullers) and v.replicas[name].held >> read.chunk & 1)
+
+        best = min(level(reader, name) for name in v.replicas if eligible(name))
+        assert level(reader, read.source) == best, f"(h) {reader} reads chunk {read.chunk} from {read.source}, " \
+            f"level {level(reader, read.source)}, while a level-{best} holder has it"
 
     @rule(name=st.sampled_from(READERS), data=st.data())
     def progress(self, name, data):
