@@ -167,7 +167,9 @@ class Request(Msg):
 
 
 class Error(Msg, tag="error"):
-    code: str  # auth, malformed, too_large, version, unknown_endpoint, conflict, not_found, unavailable, ...
+    # auth, malformed, too_large, version, internal (refused by the service); unknown_endpoint,
+    # conflict, not_found, not_ready, unavailable, draining (refused by the hub's state machine)
+    code: str
     message: str
     missing: list[int] = []  # for code == "unavailable": chunk ids no live endpoint holds
 

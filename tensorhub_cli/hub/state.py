@@ -547,13 +547,25 @@ class Hub:
     def _settle(self, now: float, only: Version | None = None) -> None:
         """Start the retention pulls now needed; acknowledge every drain now complete.
 
-        ``only``: the one version an operation touched (the hot path: progress)."""
+        ``only``: the one version an operation touched (the hot path: progress). When a
+        drain empties a version and it is forgotten, an older version may move up into
+        keep_latest, and its drains must then wait for copies. So versions are judged
+        newest first, and a model that lost one is judged again from the top before any
+        older version of it is acknowledged. (Terminates: each extra pass follows a
+        version being dropped.)"""
         todo = [only] if only else [v for vs in self.models.values() for v in vs.values()]
+        while todo:
+            moved = self._settle_pass(now, todo)
+            todo = [v for m in sorted(moved) for v in self.models.get(m, {}).values()]
+
+    def _settle_pass(self, now: float, todo: list[Version]) -> set[str]:
+        todo = sorted(todo, key=lambda v: (v.model, -v.number))
         keeps: dict[str, set[int]] = {}
+        moved: set[str] = set()  # models that lost a version in this pass
         for v in todo:
             versions = self.models[v.model]
-            if v.number not in versions:
-                continue
+            if v.number not in versions or v.model in moved:
+                continue  # its older versions: judged in the next pass, with the new keep set
             policy = self.policy(v.model)
             if v.model not in keeps:
                 keeps[v.model] = set(retained(versions, policy))
@@ -570,9 +582,11 @@ class Hub:
                     if not v.replicas:  # its holders let it go: forget it
                         del versions[v.number]
                         self.count("versions_dropped")
+                        moved.add(v.model)
                         break
             else:
                 v.refresh()
+        return moved
 
     def settle(self, now: float) -> None:
         """Re-judge every drain and retention; the service calls this on its sweep,

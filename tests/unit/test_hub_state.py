@@ -215,6 +215,33 @@ def test_a_draining_replica_cannot_fetch_and_an_agent_letting_go_stops_pulling()
         hub.plan(1, p.Plan(name="agent-n1", model="policy", version=1))
     assert exc.value.code == "draining" and "agent-n1 is unpublishing policy@1" in exc.value.message
 
+def test_a_drain_waits_when_a_dropped_newer_version_moves_its_version_into_keep_latest():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t1", node="n1"), info("t2a", node="n2"), info("t2b", node="n3"), info("x", node="n4"),
+        info("agent-n5", node="n5", kind="agent"))
+    publish(hub, 0, "t1", 1, manifest(2))
+    # x reads v1 from t1, so v1 stays pinned (not dropped) when v2 pushes it out of keep_latest=1
+    assert {r.source for r in hub.plan(0, p.Plan(name="x", model="policy", version=1, window=1)).reads} == {"t1"}
+    publish(hub, 0, "t2a", 2, manifest(1, salt=2), rank=0, world=2)
+    publish(hub, 0, "t2b", 2, manifest(1, salt=3), rank=1, world=2)
+    hub.take_outbound()  # v2 (two shards, no complete copy) asked the agent for one
+    reads = hub.plan(0, p.Plan(name="x", model="policy", version=2, window=2)).reads
+    assert {r.source for r in reads} == {"t2a", "t2b"}
+    hub.unpublish(0, p.Unpublish(name="t1", model="policy", version=1))  # v1 is not retained now
+    hub.unpublish(0, p.Unpublish(name="t2b", model="policy", version=2))
+    assert acks(hub.take_outbound()) == []  # both wait for x's pins
+    # x and t2a die in one sweep: v2 loses shard 0, so no copy of it can be made; t2b's
+    # drain ends, v2 is forgotten, and v1 is the latest again. Its last copy, on t1, may
+    # now go only once an agent has made another.
+    for name in ("t1", "t2b", "agent-n5"):
+        hub.heartbeat(EXPIRY, p.Heartbeat(name=name))
+    assert sorted(hub.expire(EXPIRY + 1)) == ["t2a", "x"]
+    out = hub.take_outbound()
+    assert [a.endpoint for a in acks(out)] == ["t2b"] and 2 not in hub.models["policy"]
+    assert ("agent-n5", 1) in [(s.endpoint, s.body.version) for s in sends(out)]
+    fetch_all(hub, EXPIRY + 1, "agent-n5", "policy", 1)
+    assert [a.endpoint for a in acks(hub.take_outbound())] == ["t1"]
+
 def test_unpublish_without_any_agent_still_completes():
     hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
     reg(hub, 0, info("t"))

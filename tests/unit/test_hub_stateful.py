@@ -8,9 +8,10 @@ own bookkeeping alone.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -160,8 +161,11 @@ class HubMachine(RuleBasedStateMachine):
             copies = sum(1 for r in live if r.held == v.full and self.hub.endpoints[r.endpoint].info.reliable)
             copyable = all(covered >> c & 1 or self.truly_holds(ack.endpoint, ack.version, c) for c in range(v.nchunks))
             if copyable and (covered != v.full or copies < POLICY.min_reliable_copies):
+                # An agent unpublishing this very version cannot be the one to keep it;
+                # once its own drain is over it may be asked again.
                 helpers = [n for n, ep in self.hub.endpoints.items() if ep.info.kind == "agent"
-                           and self.now - ep.last_seen <= EXPIRY and not v.complete(n) and n != ack.endpoint]
+                           and self.now - ep.last_seen <= EXPIRY and not v.complete(n) and n != ack.endpoint
+                           and n not in v.draining]
                 assert not helpers, f"(f) {ack} left v{ack.version} short while {helpers} could copy it"
         self.forget(self.procs[ack.endpoint], ack.version)
 
@@ -449,7 +453,12 @@ class HubMachine(RuleBasedStateMachine):
 
 
 HubMachine.TestCase.settings = settings(
-    max_examples=int(__import__("os").environ.get("TH_HYPOTHESIS_EXAMPLES", 1000)), stateful_step_count=50, deadline=None,
+    max_examples=int(os.environ.get("TH_HYPOTHESIS_EXAMPLES", 1000)), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    # No "explain" phase: its line tracer makes a failing run on Python < 3.12 take
+    # minutes, long past the test timeout, before it prints the example.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    # CI runs one fixed, reproducible set of examples; TH_HYPOTHESIS_RANDOM=1 explores anew.
+    derandomize=not os.environ.get("TH_HYPOTHESIS_RANDOM"),
 )
 TestHubStateMachine = HubMachine.TestCase
