@@ -215,6 +215,7 @@ def test_a_draining_replica_cannot_fetch_and_an_agent_letting_go_stops_pulling()
         hub.plan(1, p.Plan(name="agent-n1", model="policy", version=1))
     assert exc.value.code == "draining" and "agent-n1 is unpublishing policy@1" in exc.value.message
 
+
 def test_a_drain_waits_when_a_dropped_newer_version_moves_its_version_into_keep_latest():
     hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
     reg(hub, 0, info("t1", node="n1"), info("t2a", node="n2"), info("t2b", node="n3"), info("x", node="n4"),
@@ -272,6 +273,25 @@ def test_expired_holder_masks_failure_then_unavailable_then_back():
     plan = hub.plan(6, p.Plan(name="r", model="policy", version=1, window=4))
     assert {r.source for r in plan.reads} <= {"t", "a"} and plan.reads
 
+
+def test_reads_onto_a_silent_source_are_replanned_at_the_next_poll_before_any_sweep():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("r", node="n2"))
+    publish(hub, 0, "t", 1, manifest(4))
+    fetch_all(hub, 0, "a", "policy", 1)
+    hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
+    hub.cancel(0, p.Cancel(name="r", model="policy", version=1))
+    hub.deregister(0, p.Deregister(name="a"))  # so every read goes to t...
+    first = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
+    assert {x.source for x in first.reads} == {"t"}
+    holding = p.Holding(model="policy", version=1, world=1, shards=[manifest(4)], held=[0, 1, 2, 3])
+    reg(hub, 1, info("a", node="n1", pid=2), holdings=[holding])  # ...then a is back, complete
+    for n in ("a", "r"):
+        hub.heartbeat(EXPIRY + 0.5, p.Heartbeat(name=n))
+    # t is past its expiry but no sweep has run: the very next poll moves its reads to a.
+    again = hub.plan(EXPIRY + 1, p.Plan(name="r", model="policy", version=1, window=4))
+    assert {x.source for x in again.reads} == {"a"} and len(again.reads) == 4
+    assert hub.models["policy"][1].pins.get("t", 0) == 0
 
 def test_hub_restart_rebuilds_from_holdings_and_keeps_drains_safe():
     hub = new_hub()
