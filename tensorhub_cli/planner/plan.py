@@ -81,7 +81,7 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     ranked: list[Candidate] = []
     suspects: list[Candidate] = []
     covered = 0
-    enough = min(limit, _popcount(needed))
+    enough = min(limit, needed.bit_count())
     exhausted = True
     for level, candidates in levels:
         if level == REMOTE and not may_cross:
@@ -92,14 +92,14 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
             else:
                 ranked.append(cand)
                 covered |= cand.held
-        if _popcount(needed & covered) >= enough:
+        if (needed & covered).bit_count() >= enough:
             exhausted = False
             break
     if exhausted:  # every allowed level is in: suspects are the last resort
         ranked += suspects
         for cand in suspects:
             covered |= cand.held
-    result = PlanResult(waiting=_popcount(needed & ~covered) if exhausted else 0)
+    result = PlanResult(waiting=(needed & ~covered).bit_count() if exhausted else 0)
     # Greedy by source: the cheapest, least-loaded candidate takes the next chunk it
     # holds that is still unassigned, its load grows by one, and it goes back in line.
     heap = [_rank(c, i) for i, c in enumerate(ranked)]
@@ -124,7 +124,3 @@ def first_bit(mask: int, start: int) -> int:
     if high:
         return start + (high & -high).bit_length() - 1
     return (mask & -mask).bit_length() - 1 if mask else -1
-
-
-def _popcount(mask: int) -> int:
-    return bin(mask).count("1")
