@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..hub import protocol as p
+from ..launch.procs import cpu_seconds
 
 MODEL = "bench"
 PER_NODE = 8
@@ -63,12 +64,6 @@ def manifest(tensors: int, chunk_mb: int, rng: random.Random) -> p.Manifest:
     chunks = [p.ChunkMeta(nbytes=min(chunk, offset - start), checksum=rng.getrandbits(64))
               for start in range(0, offset, chunk)]
     return p.Manifest(tensors=metas, chunks=chunks, chunk_bytes=chunk)
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:

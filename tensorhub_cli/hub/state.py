@@ -155,8 +155,7 @@ class Hub:
         if old is not None:
             self._drop_endpoint(now, old.name)
         ep = self.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now)
-        for key in groups(ep.place):
-            self.near.setdefault(key, set()).add(ep.name)
+        _join(self.near, ep.place, ep.name)
         self.count("registrations")
         for holding in op.holdings:
             try:
@@ -191,11 +190,8 @@ class Hub:
     def _drop_endpoint(self, now: float, name: str) -> None:
         """Contract 6: a gone endpoint loses every reference, pin and read it had."""
         ep = self.endpoints.pop(name, None)
-        for key in groups(ep.place) if ep else ():
-            group = self.near[key]
-            group.discard(name)
-            if not group:
-                del self.near[key]
+        if ep is not None:
+            _leave(self.near, ep.place, name)
         for versions in self.models.values():
             for v in versions.values():
                 for chunk in list(v.reads.get(name, {})):
@@ -204,7 +200,7 @@ class Hub:
                     for chunk in [c for c, s in v.reads[reader].items() if s == name]:
                         self._unpin(v, reader, chunk)
                 if v.replicas.pop(name, None) is not None and ep is not None:
-                    self._unindex(v, name, ep.place)
+                    _leave(v.near, ep.place, name)
                 if name in v.draining:
                     v.draining.discard(name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
@@ -259,17 +255,7 @@ class Hub:
                     self._index(v, name)
 
     def _index(self, v: Version, name: str) -> None:
-        for key in groups(self.endpoints[name].place):
-            v.near.setdefault(key, set()).add(name)
-
-    @staticmethod
-    def _unindex(v: Version, name: str, place: Place) -> None:
-        for key in groups(place):
-            holders = v.near.get(key)
-            if holders is not None:
-                holders.discard(name)
-                if not holders:
-                    del v.near[key]
+        _join(v.near, self.endpoints[name].place, name)
 
     def _restore(self, now: float, name: str, h: p.Holding) -> None:
         if h.rank >= 0:
@@ -576,7 +562,7 @@ class Hub:
                 if self._drained(now, v, name, kept, policy):
                     v.draining.discard(name)
                     del v.replicas[name]
-                    self._unindex(v, name, self.endpoints[name].place)
+                    _leave(v.near, self.endpoints[name].place, name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
                     self.count("unpublish_acks")
                     if not v.replicas:  # its holders let it go: forget it
@@ -653,6 +639,21 @@ class Hub:
         ]
         return p.StatusReply(cluster=self.config.cluster, uptime_s=round(now - self.started_at, 3), endpoints=eps,
                              versions=self.versions(now, p.Versions()).versions, counters=dict(self.counters))
+
+
+def _join(index: dict[tuple, set[str]], place: Place, name: str) -> None:
+    """Add ``name`` to each topology group of ``place`` in ``index``."""
+    for key in groups(place):
+        index.setdefault(key, set()).add(name)
+
+
+def _leave(index: dict[tuple, set[str]], place: Place, name: str) -> None:
+    for key in groups(place):
+        members = index.get(key)
+        if members is not None:
+            members.discard(name)
+            if not members:
+                del index[key]
 
 
 def check_manifest(m: p.Manifest, number: int, rank: int, world: int) -> None:

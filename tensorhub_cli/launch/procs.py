@@ -26,14 +26,27 @@ class ProcRecord(msgspec.Struct):
     log: str
 
 
-def _starttime(pid: int) -> int | None:
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (index 0 is field 3), or None if no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _starttime(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far (fields 14 and 15)."""
+    fields = _stat(pid)
+    if fields is None:
+        raise ProcessLookupError(f"no process {pid}")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _cmdline(pid: int) -> str:
