@@ -1,7 +1,13 @@
 """TensorHub: Reference-Oriented Storage for LLM weights in RL post-training.
 
-The Python API (``connect``) lands with the data-plane issue; until then this package
-provides the ``th`` CLI, the cluster spec, the hub and the agents.
+``connect(...)`` (the endpoint library) is what trainers and rollout engines link; the
+``th`` CLI drives clusters. See ``endpoint`` for the publish/fetch/unpublish protocol.
 """
 
 __version__ = "0.1.0"
+
+
+def connect(*args, **kwargs):
+    from .endpoint import connect as _connect
+
+    return _connect(*args, **kwargs)

@@ -158,6 +158,83 @@ def versions(model: Optional[str] = typer.Argument(None, help="only this model")
         render_versions(out, reply.versions)
 
 
+def _hub_client(name: str, state):
+    from .hub.client import HubClient
+    from .launch.state import read_token
+
+    return HubClient(state.hub_address, read_token(name))
+
+
+@app.command()
+def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
+            source: Path = typer.Option(..., "--from", help="a .safetensors checkpoint (a path on that node)"),
+            version: Optional[int] = typer.Option(None, "--version", min=1, help="default: the newest known + 1"),
+            node: Optional[str] = typer.Option(None, "--node", help="whose agent holds it (default: the hub's node)"),
+            cluster: Optional[str] = ClusterOpt, timeout: float = typer.Option(300.0, min=1)) -> None:
+    """Load a checkpoint into a node's agent (host memory) and publish it as a version."""
+    from .launch import operate
+    from .launch.state import cluster_dir
+
+    name, state = _load_running(cluster)
+    spec = specmod.load(cluster_dir(name) / "spec.yaml")
+    node = node or spec.hub.node
+    if node not in {n.name for n in spec.nodes()}:
+        fail(f"th publish: --node {node!r} is not in cluster {name!r} "
+             f"(nodes: {', '.join(n.name for n in spec.nodes())})", 2)
+    m = spec.model(model)
+    client = _hub_client(name, state)
+    try:
+        if spec.launcher == "local":  # the agent shares our file system: check before asking it
+            operate.check_checkpoint(source)
+        number = version or operate.next_version(client, model)
+        chunk = int((m.chunk_mb if m else 16) * 2**20)
+        v = operate.publish_file(client, node, model, str(source.resolve() if spec.launcher == "local" else source),
+                                 number, chunk, timeout)
+    except operate.OperateError as exc:
+        fail(f"th publish: {exc}", exc.code)
+    finally:
+        client.close()
+    out.print(f"published {model}@{v.version} from {source} on {node}: {v.nbytes / 2**20:.1f} MiB in {v.chunks} chunks")
+
+
+@app.command()
+def sync(model: str = typer.Argument(..., help="model name"),
+         version: str = typer.Option("latest", "--version", help="N or latest"),
+         role: Optional[str] = typer.Option(None, "--role", help="every endpoint of this role fetches"),
+         node: Optional[str] = typer.Option(None, "--node", help="every endpoint on this node fetches"),
+         cluster: Optional[str] = ClusterOpt, timeout: float = typer.Option(600.0, min=1),
+         as_json: bool = typer.Option(False, "--json", help="print the outcome as JSON, no progress bars")) -> None:
+    """Have the target endpoints fetch a version; live progress per endpoint."""
+    from .launch import operate
+    from .ui.sync import SyncView
+
+    if (role is None) == (node is None):
+        fail("th sync: give exactly one of --role ROLE or --node NODE", 2)
+    if version != "latest" and not version.isdigit():
+        fail(f"th sync: --version must be a number or 'latest', got {version!r}", 2)
+    name, state = _load_running(cluster)
+    client = _hub_client(name, state)
+    try:
+        if as_json:
+            run = operate.sync(client, model, None if version == "latest" else int(version), role, node, timeout)
+        else:
+            with SyncView(err) as view:
+                run = operate.sync(client, model, None if version == "latest" else int(version), role, node,
+                                   timeout, view.update)
+    except operate.OperateError as exc:
+        fail(f"th sync: {exc}", exc.code)
+    finally:
+        client.close()
+    failed = {n: t.failed for n, t in run.targets.items() if t.failed}
+    if as_json:
+        print(json.dumps({"model": model, "version": run.version, "nbytes": run.nbytes,
+                          "targets": {n: {"done": t.done, "failed": t.failed} for n, t in run.targets.items()}}))
+    if failed:
+        fail("th sync: failed on " + "; ".join(f"{n}: {why}" for n, why in sorted(failed.items())), 1)
+    if not as_json:
+        out.print(f"synced {model}@{run.version} to {len(run.targets)} endpoint(s)")
+
+
 BENCH_WORKLOADS = ("hub",)
 
 
@@ -234,7 +311,7 @@ def _not_yet(name: str, issue: str):
     app.command(name, help=f"(not available yet: lands with the {issue} issue)", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
 
 
-for _name, _issue in (("publish", "data-plane"), ("sync", "data-plane"), ("scale", "RL-loop"), ("failover", "RL-loop")):
+for _name, _issue in (("scale", "RL-loop"), ("failover", "RL-loop")):
     _not_yet(_name, _issue)
 
 

@@ -1,73 +1,38 @@
-"""The per-node agent: registers its node with the hub and keeps it alive.
+"""The per-node agent: the node's host-memory tier, an endpoint of kind ``agent``.
 
-Protocol: register as ``agent-<node>`` (kind ``agent``, host tier, reliable unless the
-node is spot), then heartbeat every ``heartbeat_s``. When the hub answers
-``unknown_endpoint`` (it restarted and lost its soft state) the agent registers again;
-when the hub is unreachable it keeps trying at the same period. SIGTERM deregisters
-(best effort, bounded) and exits 0.
+Protocol: it joins the hub as ``agent-<node>`` (host tier; reliable unless the node is
+spot) through the endpoint library, which registers, heartbeats, re-registers with its
+holdings after a hub restart, and runs the hub's commands for it:
+
+- ``retain``: pull ``model@version`` into freshly allocated host memory and hold it,
+  so an unpublish elsewhere cannot drop a retained version below its copies (contract 4);
+- ``fetch`` (``th sync``): the same, asked by an operator;
+- ``load`` (``th publish --from``): read a safetensors file on this node into host
+  memory and publish it.
+
+SIGTERM/SIGINT: unpublish what it holds (bounded, so retention can move copies
+elsewhere), deregister, exit 0.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 
-from ..hub import protocol as p
-from ..hub.client import HubClient, HubError, HubUnreachable
+from ..endpoint import connect
 
 log = logging.getLogger("tensorhub.agent")
 
 
-class Agent:
-    def __init__(self, client: HubClient, info: p.EndpointInfo, heartbeat_s: float):
-        self.client = client
-        self.info = info
-        self.heartbeat_s = heartbeat_s
-        self.stopping = threading.Event()
-        self.registered = False
-
-    def _beat(self) -> None:
-        timeout = max(self.heartbeat_s, 1.0)
-        if not self.registered:
-            self.client.call(p.Register(info=self.info), timeout=timeout)
-            self.registered = True
-            log.info("registered %s with hub %s", self.info.name, self.client.address)
-            return
-        try:
-            self.client.call(p.Heartbeat(name=self.info.name), timeout=timeout)
-        except HubError as exc:
-            if exc.code != "unknown_endpoint":
-                raise
-            log.warning("hub forgot us (restarted?); registering again")
-            self.registered = False
-            self._beat()
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                self._beat()
-            except HubUnreachable as exc:
-                log.warning("%s", exc)
-                self.registered = False
-            except HubError as exc:
-                log.error("hub refused %s: %s", self.info.name, exc)
-            self.stopping.wait(self.heartbeat_s)
-        try:
-            self.client.call(p.Deregister(name=self.info.name), timeout=1.0)
-        except (HubError, HubUnreachable):
-            pass
-        self.client.close()
-
-
-def agent_info(node: str, dc: str, rack: str, spot: bool) -> p.EndpointInfo:
-    return p.EndpointInfo(
-        name=f"agent-{node}", node=node, dc=dc, rack=rack, role="agent", kind="agent",
-        reliable=not spot, tier="host", pid=os.getpid(),
-    )
-
-
-def install_stop(agent: Agent) -> None:
+def run(hub: str, token: str, node: str, address: str, dc: str, rack: str, spot: bool, heartbeat_s: float,
+        engine: str, drain_timeout: float = 10.0) -> None:
+    stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: agent.stopping.set())
+        signal.signal(sig, lambda *_: stopping.set())
+    ep = connect(hub=hub, token=token, name=f"agent-{node}", node=node, role="agent", kind="agent",
+                 reliable=not spot, tier="host", host=address, dc=dc, rack=rack, engine=engine,
+                 heartbeat_s=heartbeat_s, connect_timeout=3600.0)
+    log.info("registered %s with hub %s (engine %s)", ep.name, hub, ep.engine.kind)
+    stopping.wait()
+    ep.close(drain_timeout=drain_timeout)

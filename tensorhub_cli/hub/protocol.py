@@ -149,11 +149,43 @@ class Status(Msg, tag="status"):
     pass
 
 
+class Sync(Msg, tag="sync"):
+    """Have the endpoints of ``role`` (or on ``node``) fetch ``model@version`` (None:
+    latest READY, resolved once here so every target fetches the same one)."""
+
+    model: str
+    version: Optional[int] = None
+    role: Optional[str] = None
+    node: Optional[str] = None
+
+
+class Load(Msg, tag="load"):
+    """Have ``node``'s agent load a safetensors file (a path on that node) into host
+    memory and publish it as ``model@version``."""
+
+    node: str
+    model: str
+    version: int
+    path: str
+    chunk_bytes: int = 0  # 0: the agent's default
+
+
+class Report(Msg, tag="report"):
+    """An endpoint tells the hub what happened to a command (kept as an event)."""
+
+    name: str
+    kind: str  # fetched, fetch_failed, loaded, load_failed, retained, retain_failed
+    model: str
+    version: int
+    message: str = ""
+
+
 class Versions(Msg, tag="versions"):
     model: Optional[str] = None
 
 
-Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions]
+Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions,
+           Sync, Load, Report]
 
 
 class Request(Msg):
@@ -201,11 +233,30 @@ class Planned(Msg, tag="planned"):
 
 
 class Command(Msg, tag="command"):
-    """Hub → agent: pull ``model@version`` into host memory and publish it (retention)."""
+    """Hub → endpoint. ``retain`` (to an agent): pull ``model@version`` into host memory
+    and hold it. ``fetch``: fetch it (``th sync``). ``load`` (to an agent): load the
+    safetensors file at ``path`` and publish it as ``model@version`` (``th publish``)."""
 
-    action: Literal["retain"]
+    action: Literal["retain", "fetch", "load"]
     model: str
     version: int
+    path: str = ""
+    chunk_bytes: int = 0
+
+
+class Synced(Msg, tag="synced"):
+    version: int
+    targets: list[str]
+
+
+class Event(Msg):
+    seq: int
+    t: float  # hub uptime, seconds
+    kind: str
+    endpoint: str = ""
+    model: str = ""
+    version: int = 0
+    message: str = ""
 
 
 class EndpointStatus(Msg):
@@ -218,6 +269,14 @@ class EndpointStatus(Msg):
     replicas: int
 
 
+class HolderStatus(Msg):
+    name: str
+    held_bytes: int
+    complete: bool
+    reliable: bool
+    draining: bool = False
+
+
 class VersionStatus(Msg):
     model: str
     version: int
@@ -226,6 +285,8 @@ class VersionStatus(Msg):
     nbytes: int
     replicas: int
     complete_replicas: int
+    reliable_copies: int = 0
+    holders: list[HolderStatus] = []
 
 
 class StatusReply(Msg, tag="status"):
@@ -234,13 +295,14 @@ class StatusReply(Msg, tag="status"):
     endpoints: list[EndpointStatus]
     versions: list[VersionStatus]
     counters: dict[str, float]
+    events: list[Event] = []
 
 
 class VersionsReply(Msg, tag="versions"):
     versions: list[VersionStatus]
 
 
-Body = Union[Error, Ok, Resolved, Planned, Command, StatusReply, VersionsReply]
+Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply]
 
 
 class Reply(Msg):

@@ -57,6 +57,7 @@ class Version:
     full: int = 0
     chunk_nbytes: list[int] = field(default_factory=list)
     digest: int = 0
+    size_masks: dict[int, int] = field(default_factory=dict)  # chunk size -> chunks of that size
     # reads in flight: reader -> {chunk: source}; pins: source -> count
     reads: dict[str, dict[int, str]] = field(default_factory=dict)
     pins: dict[str, int] = field(default_factory=dict)
@@ -87,6 +88,8 @@ class Version:
         self.full = (1 << offset) - 1
         self.chunk_nbytes = [c.nbytes for r in range(self.world) for c in self.shards[r].chunks]
         self.digest = p.manifest_digest(self.world, self.manifests())
+        for i, n in enumerate(self.chunk_nbytes):
+            self.size_masks[n] = self.size_masks.get(n, 0) | 1 << i
         for rep in self.replicas.values():
             if rep.rank >= 0:
                 rep.held |= self.shard_mask(rep.rank)
@@ -138,9 +141,17 @@ class Version:
             del self.pins[source]
         return source
 
-    def status(self) -> p.VersionStatus:
+    def held_bytes(self, held: int) -> int:
+        return sum(n * (held & mask).bit_count() for n, mask in self.size_masks.items())
+
+    def status(self, reliable=lambda name: False) -> p.VersionStatus:
+        holders = [
+            p.HolderStatus(name=name, held_bytes=self.held_bytes(r.held), complete=self.complete(name),
+                           reliable=reliable(name), draining=name in self.draining)
+            for name, r in sorted(self.replicas.items())
+        ]
         return p.VersionStatus(
             model=self.model, version=self.number, state=self.state, chunks=self.nchunks, nbytes=self.nbytes,
-            replicas=len(self.replicas),
-            complete_replicas=sum(1 for r in self.replicas.values() if self.assembled and r.held == self.full),
+            replicas=len(self.replicas), complete_replicas=sum(h.complete for h in holders),
+            reliable_copies=sum(h.complete and h.reliable for h in holders), holders=holders,
         )

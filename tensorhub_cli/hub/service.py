@@ -36,7 +36,11 @@ _DISPATCH = {
     p.Cancel: "cancel",
     p.Unpublish: "unpublish",
     p.Versions: "versions",
+    p.Sync: "sync",
+    p.Load: "load_checkpoint",  # (Hub.load is the per-source read count)
+    p.Report: "report",
 }
+_CONTROL = (p.Register, p.Heartbeat)  # an endpoint's service socket: where pushes go
 
 
 class HubService:
@@ -79,9 +83,11 @@ class HubService:
             return [(ident, self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})"))]
         if not hmac.compare_digest(req.token.encode(), self._token):
             return [(ident, self._refuse(req.rid, "auth", "bad cluster token"))]
-        name = getattr(req.op, "name", None) or getattr(getattr(req.op, "info", None), "name", None)
-        if name:
-            self.idents[name] = ident  # where pushed commands and deferred acks go
+        if isinstance(req.op, _CONTROL):
+            # Pushed commands go to the socket that registers and beats; an endpoint's
+            # other socket (its caller's thread) never sees a frame it did not ask for.
+            name = req.op.name if isinstance(req.op, p.Heartbeat) else req.op.info.name
+            self.idents[name] = ident
         now = self.clock()
         try:
             if isinstance(req.op, p.Status):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..planner import Candidate, Place, choose, groups
 from ..planner.plan import LEVELS
 from . import protocol as p
+from .commands import Commands
 from .groups import Round, round_over
 from .registry import READY, UNAVAILABLE, Replica, Version
 from .retention import Policy, pulls_needed, retained, short
@@ -84,7 +85,7 @@ class HubConfig:
     max_window: int = 1024
 
 
-class Hub:
+class Hub(Commands):
     def __init__(self, config: HubConfig, now: float = 0.0):
         self.config = config
         self.started_at = now
@@ -98,6 +99,7 @@ class Hub:
         self._outbound: list[Acked | Send] = []
         # after a restart: rebuilt reads whose source has not re-registered yet
         self._unplaced: dict[str, list[tuple[Version, str]]] = {}
+        self._init_events()
 
     # --- small helpers ---------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class Hub:
         for name in dead:
             self._drop_endpoint(now, name)
             self.count("expiries")
+            self.event(now, "expired", name)
         if dead:
             self._settle(now)
         return dead
@@ -216,8 +219,12 @@ class Hub:
 
     def publish(self, now: float, op: p.Publish) -> p.Ok:
         self._endpoint(op.name)
-        self._add_shard(op.name, op.model, op.version, op.rank, op.world, op.manifest)
+        known = self.models.get(op.model, {}).get(op.version)
+        was = known.state if known else None
+        v = self._add_shard(op.name, op.model, op.version, op.rank, op.world, op.manifest)
         self.count("publishes")
+        if v.state == READY and was != READY:
+            self.event(now, "ready", op.name, op.model, op.version)
         self._settle(now)
         return p.Ok()
 
@@ -387,13 +394,17 @@ class Hub:
             may_cross=self._may_cross(v, reader),
         )
         planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
+        relayed = 0  # reads served by readers, not publishers: pipelined replication at work
         for chunk, source, level in result.assigned:
             self._pin(v, op.name, chunk, source)
+            relayed += v.replicas[source].rank < 0
             nbytes = v.chunk_nbytes[chunk]
             for key in (_LEVEL_KEYS[level], _TIER_KEYS[self.endpoints[source].info.tier]):
                 planned[key] = planned.get(key, 0) + nbytes
         for key, nbytes in planned.items():
             self.count(key, nbytes)
+        if relayed:
+            self.count("reads_from_readers", relayed)
         if result.crossed:
             v.seeds[reader.place.dc] = op.name
         self.count("plans")
@@ -499,6 +510,7 @@ class Hub:
         self.count("chunks_reported", len(op.chunks))
         was = v.state
         if was != READY and v.refresh() == READY:  # adding chunks cannot uncover a READY version
+            self.event(now, "ready", op.name, v.model, v.number)
             self._drop_old(v.model)
             self._settle(now)
         elif v.pulls or v.draining:
@@ -565,6 +577,7 @@ class Hub:
                     _leave(v.near, self.endpoints[name].place, name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
                     self.count("unpublish_acks")
+                    self.event(now, "unpublished", name, v.model, v.number)
                     if not v.replicas:  # its holders let it go: forget it
                         del versions[v.number]
                         self.count("versions_dropped")
@@ -623,7 +636,8 @@ class Hub:
         models = [op.model] if op.model else sorted(self.models)
         if op.model and op.model not in self.models:
             raise HubFault("not_found", f"model {op.model!r} has no versions")
-        return p.VersionsReply(versions=[v.status() for m in models for _, v in sorted(self.models[m].items())])
+        return p.VersionsReply(versions=[v.status(self._reliable) for m in models
+                                         for _, v in sorted(self.models[m].items())])
 
     def status(self, now: float) -> p.StatusReply:
         held: dict[str, int] = {}
@@ -638,7 +652,8 @@ class Hub:
             for ep in sorted(self.endpoints.values(), key=lambda e: e.name)
         ]
         return p.StatusReply(cluster=self.config.cluster, uptime_s=round(now - self.started_at, 3), endpoints=eps,
-                             versions=self.versions(now, p.Versions()).versions, counters=dict(self.counters))
+                             versions=self.versions(now, p.Versions()).versions, counters=dict(self.counters),
+                             events=list(self.events)[-50:])
 
 
 def _join(index: dict[tuple, set[str]], place: Place, name: str) -> None:

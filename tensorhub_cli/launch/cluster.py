@@ -89,7 +89,8 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
         for node in spec.nodes():
             args = ["--hub", state.hub_address, "--token-file", str(token_file), "--node", node.name,
                     "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
-                    "--heartbeat-s", str(spec.hub.heartbeat_s)] + (["--spot"] if node.spec.spot else [])
+                    "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine] + (
+                        ["--spot"] if node.spec.spot else [])
             state.procs.append(launcher.start(node, "agent", "tensorhub_cli.agent", args))
             write_state(state)
             log(f"agent   {node.name:<12} {node.spec.address}")

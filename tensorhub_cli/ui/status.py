@@ -46,14 +46,21 @@ def render_status(console: Console, state: ClusterState, status: p.StatusReply |
     render_versions(console, status.versions if status else [])
 
 
+def _names(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" +{len(names) - shown}" if len(names) > shown else "") or "-"
+
+
 def render_versions(console: Console, versions: list[p.VersionStatus]) -> None:
     if not versions:
         console.print("versions: none yet")
         return
-    t = Table("model", "version", "state", "chunks", "MiB", "replicas", "complete", title="versions", title_justify="left")
+    t = Table("model", "version", "state", "MiB", "chunks", "complete holders", "partial holders", "reliable copies",
+              title="versions", title_justify="left")
     for v in versions:
-        t.add_row(v.model, str(v.version), v.state, str(v.chunks), f"{v.nbytes / 2**20:.1f}",
-                  str(v.replicas), str(v.complete_replicas))
+        complete = [h.name for h in v.holders if h.complete]
+        partial = [f"{h.name} {h.held_bytes / max(v.nbytes, 1):.0%}" for h in v.holders if not h.complete]
+        t.add_row(v.model, str(v.version), v.state, f"{v.nbytes / 2**20:.1f}", str(v.chunks),
+                  _names(complete), _names(partial), str(v.reliable_copies))
     console.print(t)
 
 

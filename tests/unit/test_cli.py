@@ -20,12 +20,23 @@ def test_help_lists_every_command():
                    for line in result.output.splitlines()), name
 
 
-@pytest.mark.parametrize("argv", [["publish", "policy", "--from", "x.safetensors"], ["sync", "policy"],
-                                  ["scale", "rollout=4"], ["failover", "node2"]])
+@pytest.mark.parametrize("argv", [["scale", "rollout=4"], ["failover", "node2"]])
 def test_unlanded_commands_exit_3(argv):
     result = runner.invoke(app, argv)
     assert result.exit_code == 3
     assert "not available yet" in result.output
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["sync", "policy"], "exactly one of --role ROLE or --node NODE"),
+    (["sync", "policy", "--role", "rollout", "--node", "node2"], "exactly one of"),
+    (["sync", "policy", "--role", "rollout", "--version", "seven"], "--version must be a number or 'latest'"),
+    (["publish", "policy", "--from", "x.safetensors"], "no cluster is running"),
+])
+def test_publish_and_sync_refuse_bad_input_by_name(th_home, argv, needle):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2
+    assert needle in result.output
 
 
 def test_status_without_cluster_is_a_clear_error(th_home):

@@ -1,0 +1,278 @@
+"""The endpoint: what a trainer rank, rollout rank or agent links to hold and fetch weights.
+
+Protocol (per method, what the caller may do once it returns):
+
+- ``publish(model, version, state_dict, shard=(rank, world))``: the tensors are
+  registered where they lie and the hub has the manifest. From here on the caller must
+  not change those tensors until ``unpublish`` of that version has returned
+  (contract 3). Small tensors were copied into a staging buffer; the big ones not.
+- ``fetch(model, version|"latest", into=state_dict, group=..., timeout=...)`` → the
+  version number. On return every chunk is verified and in ``into``, and this endpoint
+  is a complete holder of that version: ``into`` is now published memory, under the
+  same rule. Fetching a newer version into the same tensors first unpublishes (drains)
+  the one they hold. On ``FetchError`` (or ``LayoutError`` before any byte moved) the
+  endpoint holds no replica in ``into``; its contents are undefined after a started
+  fetch, and it never counts as a replica.
+- ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
+  of that memory is in flight, and any retention copy it called for exists. The caller
+  owns the memory again.
+- ``close()``: unpublishes everything (bounded), deregisters, stops its threads.
+
+Threads: the caller's (publish, fetch, unpublish: one hub socket), the service thread
+(register, heartbeat, engine progress, hub commands: its own socket), the peer server
+(``peer``), and the tcp engine's read pool. Replica records are shared under locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..engines import wire
+from ..engines.base import Engine
+from ..engines.tcp import Regions, TcpEngine
+from ..hub import protocol as p
+from ..hub.client import HubClient, HubError, HubUnreachable
+from .fetch import Fetch, FetchError
+from .layout import CHUNK_BYTES, SMALL_BYTES, allocate, lay_out, place
+from .peer import PeerServer
+from .replica import Held
+from .service import Service
+
+log = logging.getLogger("tensorhub.endpoint")
+
+
+class EndpointError(RuntimeError):
+    pass
+
+
+def make_engine(kind: str, name: str, token: str, host: str) -> tuple[Engine, TcpEngine]:
+    tcp = TcpEngine(token, source=host)
+    if kind == "tcp":
+        return tcp, tcp
+    if kind != "nixl":
+        raise EndpointError(f"engine {kind!r} is not one of: nixl, tcp")
+    try:
+        from ..engines.nixl import NixlEngine
+
+        return NixlEngine(name), tcp
+    except Exception as exc:  # an ImportError, or a backend UCX cannot create
+        log.warning("NIXL unavailable (%s); this endpoint falls back to the tcp engine", exc)
+        return tcp, tcp
+
+
+class Endpoint:
+    def __init__(self, hub: str, token: str, info: p.EndpointInfo, *, host: str = "127.0.0.1",
+                 engine: str = "nixl", heartbeat_s: float = 1.0, connect_timeout: float = 10.0,
+                 chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES):
+        self.name = info.name
+        self.host = host
+        self._token = token
+        self.chunk_bytes = chunk_bytes
+        self.small_bytes = small_bytes
+        self.served = Regions()
+        self.engine, self.tcp = make_engine(engine, info.name, token, host)
+        self._replicas: dict[tuple[str, int], Held] = {}
+        self._lock = threading.Lock()
+        self._zombies: list = []  # transfers that could not be released yet
+        self.peer = PeerServer(host, token, self._describe, self.served)
+        self.info = msgspec_replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode())
+        self._rpc = HubClient(hub, token, source=host)
+        self._rpc_lock = threading.Lock()
+        self.last_fetch: dict = {}
+        self.sync_into: dict[str, Callable[[list[p.Manifest]], dict]] = {}
+        self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s)
+        self.service.start()
+        try:
+            self._await_registered(connect_timeout)
+        except BaseException:
+            self.close(drain_timeout=0)
+            raise
+
+    # --- plumbing used by the service thread and the fetch loop -----------------------
+
+    def _call(self, op: p.Op, timeout: float = 5.0) -> p.Body:
+        with self._rpc_lock:  # the caller's thread and the command worker share this socket
+            return self._rpc.call(op, timeout=timeout)
+
+    def _await_registered(self, timeout: float) -> None:
+        if not self.service.registered.wait(timeout):
+            raise EndpointError(f"{self.name}: hub at {self._rpc.address} did not accept our registration "
+                                f"within {timeout:.0f}s ({self.service.last_error or 'no answer'})")
+
+    def holdings(self) -> list[p.Holding]:
+        with self._lock:
+            return [h.holding() for h in self._replicas.values()]
+
+    def holds_memory(self) -> bool:
+        return bool(self._replicas)
+
+    def _describe(self, ask: wire.Describe) -> wire.Described | wire.Refused:
+        held = self._replicas.get((ask.model, ask.version))
+        if held is None:
+            return wire.Refused(code="not_found", message=f"{self.name} holds no memory for {ask.model}@{ask.version}")
+        return held.described(self.engine)
+
+    def _add(self, held: Held) -> None:
+        with self._lock:
+            self._replicas[held.key] = held
+        self.served.add(id(held), held.placed.regions)
+
+    def _drop(self, held: Held) -> None:
+        with self._lock:
+            self._replicas.pop(held.key, None)
+        self.served.remove(id(held))
+        self.engine.deregister(held.handle)
+
+    def _register(self, model: str, version: int, world: int, shards, rank: int, placed) -> Held:
+        if (model, version) in self._replicas:
+            raise EndpointError(f"{self.name} already holds {model}@{version}")
+        return Held(model=model, version=version, world=world, shards=shards, rank=rank, placed=placed,
+                    handle=self.engine.register(placed.regions))
+
+    # --- the API ---------------------------------------------------------------------
+
+    def publish(self, model: str, version: int, state_dict: dict, shard: tuple[int, int] = (0, 1),
+                *, chunk_bytes: Optional[int] = None, timeout: float = 10.0) -> p.Manifest:
+        manifest, placed = lay_out(state_dict, chunk_bytes or self.chunk_bytes, self.small_bytes)
+        busy = [h for h in self._replicas.values() if h.overlaps(placed.regions)]
+        if busy:
+            raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
+                                "unpublish that version before publishing its memory again")
+        rank, world = shard
+        held = self._register(model, version, world, [manifest], rank, placed)
+        self._add(held)
+        try:
+            self._call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
+                                 rank=rank, world=world), timeout=timeout)
+        except BaseException:
+            self._drop(held)
+            raise
+        return manifest
+
+    def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
+              timeout: float = 60.0, window: int = 32, read_timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        number = None if version == "latest" else int(version)
+        resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
+                              timeout=min(10.0, timeout))
+        held = self._replicas.get((model, resolved.version))
+        if held is not None and not callable(into) and held.rank < 0 and len(held.held) == len(held.placed.views) \
+                and {t.data_ptr() for t in into.values() if t.nbytes} <= {r.addr for r in held.placed.regions}:
+            return resolved.version  # already a complete holder of it, in this very memory
+        if callable(into):  # a destination made to measure (agents' host copies)
+            into = into(resolved.shards)
+        placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+        for old in [h for h in list(self._replicas.values()) if h.overlaps(placed.regions)]:
+            self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
+        held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
+        self._add(held)
+        job = Fetch(self, held, deadline, window, read_timeout)
+        try:
+            job.run()
+        except BaseException as exc:
+            self._abort(job, held)
+            if isinstance(exc, FetchError):
+                raise FetchError(f"{self.name}: fetch of {model}@{resolved.version} failed: {exc}; "
+                                 "the destination holds no version") from None
+            raise
+        self.last_fetch = job.stats
+        return resolved.version
+
+    def _abort(self, job: Fetch, held: Held) -> None:
+        """A failed fetch leaves no replica: stop reads, release pins, let the partial go."""
+        job.stop()
+        for op in (p.Cancel(name=self.name, model=held.model, version=held.version),
+                   p.Unpublish(name=self.name, model=held.model, version=held.version)):
+            try:
+                self._call(op, timeout=5.0)
+            except (HubError, HubUnreachable) as exc:
+                log.warning("%s after a failed fetch: %s", type(op).__name__, exc)
+        self._drop(held)
+
+    def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
+        held = self._replicas.get((model, version))
+        if held is None:
+            raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._call(p.Unpublish(name=self.name, model=model, version=version),
+                           timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except HubUnreachable:
+                if time.monotonic() >= deadline:
+                    raise EndpointError(f"unpublish of {model}@{version} not acknowledged within {timeout:.0f}s; "
+                                        "the replica stays registered (readers may still be reading it)") from None
+            except HubError as exc:
+                if exc.code == "unknown_endpoint":
+                    self._await_registered(max(0.1, deadline - time.monotonic()))
+                    continue
+                if exc.code != "not_found":  # the hub forgot it already: nothing to drain
+                    raise
+                break
+        self._drop(held)
+
+    def accept_sync(self, model: str, into: dict | Callable) -> None:
+        """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
+        or a callable that makes one from the manifests)."""
+        self.sync_into[model] = into
+
+    def on_command(self, cmd: p.Command) -> None:
+        """Run a hub command (service worker thread); the outcome goes back as a Report."""
+        kind, message = {"retain": "retained", "fetch": "fetched", "load": "loaded"}[cmd.action], ""
+        try:
+            if cmd.action == "load":
+                from safetensors.torch import load_file
+
+                self.publish(cmd.model, cmd.version, load_file(cmd.path), chunk_bytes=cmd.chunk_bytes or None)
+            else:
+                into = self.sync_into.get(cmd.model)
+                if into is None and self.info.kind == "agent":
+                    into = allocate
+                if into is None:
+                    raise EndpointError(f"{self.name} accepts no sync of {cmd.model!r} (no accept_sync)")
+                self.fetch(cmd.model, cmd.version, into=into, timeout=600.0)
+            message = f"{self.last_fetch['bytes']} bytes" if cmd.action != "load" else cmd.path
+        except Exception as exc:
+            kind, message = f"{cmd.action}_failed", f"{type(exc).__name__}: {exc}"
+            log.warning("%s: %s of %s@%s failed: %s", self.name, cmd.action, cmd.model, cmd.version, message)
+        try:
+            self._call(p.Report(name=self.name, kind=kind, model=cmd.model, version=cmd.version, message=message))
+        except (HubError, HubUnreachable) as exc:
+            log.warning("%s: report of %s lost: %s", self.name, kind, exc)
+
+    def versions(self, model: Optional[str] = None) -> list[p.VersionStatus]:
+        return self._call(p.Versions(model=model)).versions
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if drain_timeout and self.service.registered.is_set():
+            for held in list(self._replicas.values()):
+                try:
+                    self.unpublish(held.model, held.version, timeout=drain_timeout)
+                except Exception as exc:
+                    log.warning("close: %s", exc)
+        self.service.stop()
+        for held in list(self._replicas.values()):
+            self._drop(held)
+        self.peer.close()
+        self._rpc.close()
+        self.tcp.close()
+        self.engine.close()
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def msgspec_replace(info: p.EndpointInfo, **changes) -> p.EndpointInfo:
+    import msgspec
+
+    return msgspec.structs.replace(info, **changes)

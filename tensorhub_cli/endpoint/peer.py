@@ -1,0 +1,74 @@
+"""The holder side of the peer channel (see ``engines.wire``): an asyncio TCP server on
+its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
+replicas and ``ReadBytes`` from the memory it serves. Every connection is closed after
+a refused ask; an idle connection is closed after ``idle_s``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from typing import Callable
+
+from ..engines import wire
+from ..engines.tcp import Regions, serve_read
+
+log = logging.getLogger("tensorhub.peer")
+
+
+class PeerServer:
+    def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
+                 regions: Regions, *, idle_s: float = 300.0):
+        self._token = token.encode()
+        self._describe = describe
+        self._regions = regions
+        self._idle_s = idle_s
+        self._loop = asyncio.new_event_loop()
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, host, 0))
+        self.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
+        self._thread = threading.Thread(target=self._loop.run_forever, name="th-peer", daemon=True)
+        self._thread.start()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(4), self._idle_s)
+                n = int.from_bytes(head, "big")
+                if n > wire.MAX_ASK:
+                    await self._refuse(writer, "too_large", f"ask of {n} bytes exceeds {wire.MAX_ASK}")
+                    return
+                try:
+                    ask = wire.decode_ask(await reader.readexactly(n))
+                except Exception as exc:
+                    await self._refuse(writer, "malformed", f"undecodable ask: {exc}")
+                    return
+                if ask.v != wire.WIRE_VERSION or not hmac.compare_digest(ask.token.encode(), self._token):
+                    await self._refuse(writer, "auth", "bad token or peer wire version")
+                    return
+                if isinstance(ask.op, wire.ReadBytes):
+                    await serve_read(writer, self._regions, ask.op)
+                else:
+                    writer.write(wire.frame(wire.Answer(body=self._describe(ask.op))))
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("peer connection failed")
+        finally:
+            writer.close()
+
+    @staticmethod
+    async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+        writer.write(wire.frame(wire.Answer(body=wire.Refused(code=code, message=message))))
+        await writer.drain()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._server.close()
+            await self._server.wait_closed()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)

@@ -1,0 +1,60 @@
+"""What an endpoint holds of one version: its layout in our memory and its chunks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ..engines import wire
+from ..hub import protocol as p
+from .layout import Placed
+
+
+@dataclass
+class Held:
+    model: str
+    version: int
+    world: int
+    shards: list[p.Manifest]  # a publisher's own shard only; a reader's: every shard
+    rank: int  # >= 0: published shard; -1: a reader's replica
+    placed: Placed
+    handle: object  # the engine's registration
+    held: set[int] = field(default_factory=set)  # global chunk ids verified (readers)
+    reading: dict[int, str] = field(default_factory=dict)  # chunk -> source, in flight
+    description: bytes | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.model, self.version
+
+    def holding(self) -> p.Holding:
+        with self.lock:
+            return p.Holding(model=self.model, version=self.version, world=self.world, shards=self.shards,
+                             rank=self.rank, held=sorted(self.held),
+                             reading=[p.Read(chunk=c, source=s) for c, s in sorted(self.reading.items())])
+
+    def described(self, engine) -> wire.Described:
+        if self.description is None:
+            self.description = engine.describe(self.handle)
+        return wire.Described(engine=engine.kind, description=self.description, rank=self.rank,
+                              addrs=[v.data_ptr() for v in self.placed.views], device=self.placed.device)
+
+    def starts(self) -> list[int]:
+        """Global id of each shard's first chunk (a reader's view: rank 0's first)."""
+        out, at = [], 0
+        for m in self.shards:
+            out.append(at)
+            at += len(m.chunks)
+        return out
+
+    def expected(self, chunk: int) -> p.ChunkMeta:
+        for m in self.shards:
+            if chunk < len(m.chunks):
+                return m.chunks[chunk]
+            chunk -= len(m.chunks)
+        raise IndexError(chunk)
+
+    def overlaps(self, regions) -> bool:
+        return any(a.device == b.device and a.addr < b.addr + b.nbytes and b.addr < a.addr + a.nbytes
+                   for a in self.placed.regions for b in regions)

@@ -1,0 +1,97 @@
+"""The endpoint's service thread: registration, heartbeats, engine progress, commands.
+
+Protocol. Register (with every holding, so a restarted hub rebuilds our references:
+contract 7), then heartbeat every ``heartbeat_s``. ``unknown_endpoint`` means the hub
+forgot us: register again. Between beats the thread waits on the hub socket for
+pushed ``Command``s in slices of 1 ms while we hold memory (the engine's passive side
+must progress for peers' reads to finish) and 50 ms otherwise. Commands run on a
+worker thread, one at a time, so a long fetch never stalls heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from ..hub import protocol as p
+from ..hub.client import HubClient, HubError, HubUnreachable
+
+log = logging.getLogger("tensorhub.endpoint")
+
+
+class Service:
+    def __init__(self, ep, client: HubClient, heartbeat_s: float):
+        self.ep = ep
+        self.client = client
+        self.heartbeat_s = heartbeat_s
+        self.registered = threading.Event()
+        self.stopping = threading.Event()
+        self.last_error: str | None = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"th-service-{ep.name}", daemon=True)
+        self._worker = threading.Thread(target=self._work, name=f"th-commands-{ep.name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._worker.start()
+
+    def _beat(self) -> None:
+        timeout = max(self.heartbeat_s, 1.0)
+        if not self.registered.is_set():
+            self.client.call(p.Register(info=self.ep.info, holdings=self.ep.holdings()), timeout=timeout)
+            self.registered.set()
+            return
+        try:
+            self.client.call(p.Heartbeat(name=self.ep.name), timeout=timeout)
+        except HubError as exc:
+            if exc.code != "unknown_endpoint":
+                raise
+            log.warning("%s: hub forgot us (restarted?); registering again with our holdings", self.ep.name)
+            self.registered.clear()
+            self._beat()
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                try:
+                    self._beat()
+                    self.last_error = None
+                except (HubUnreachable, HubError) as exc:
+                    self.last_error = str(exc)
+                    log.warning("%s: %s", self.ep.name, exc)
+                    if isinstance(exc, HubUnreachable):
+                        self.registered.clear()
+                next_beat = now + self.heartbeat_s
+            holding = self.ep.holds_memory()
+            try:
+                self.client.poll_pushed(0.001 if holding else 0.05)
+            except Exception as exc:  # a garbled push must not stop heartbeats
+                log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
+            while self.client.pushed:
+                self.commands.put(self.client.pushed.popleft())
+            if holding:
+                self.ep.engine.progress()
+
+    def _work(self) -> None:
+        while True:
+            cmd = self.commands.get()
+            if cmd is None:
+                return
+            try:
+                self.ep.on_command(cmd)
+            except Exception:
+                log.exception("%s: command %s failed", self.ep.name, cmd)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.commands.put(None)
+        self._thread.join(timeout=5)
+        try:
+            self.client.call(p.Deregister(name=self.ep.name), timeout=1.0)
+        except (HubError, HubUnreachable):
+            pass
+        self.client.close()

@@ -1,0 +1,79 @@
+"""The one interface every byte mover implements: register, describe, read, check.
+
+Protocol. A holder ``register``s the memory it will serve and hands ``describe(reg)``
+to readers (over our authenticated peer channel, never an engine's own listener). A
+reader ``add_peer``s that description once per holder and version, then ``read``s a
+list of (remote address → local address, nbytes) pairs; ``state`` says whether that
+read is pending, done or failed, and ``release`` frees it once it is not pending (or
+gives up on it; see ``release``). Reads are one-sided: the holder's code does nothing
+per read beyond calling ``progress`` regularly, which some transports need.
+
+Memory handed to ``register`` must stay allocated and unmoved until ``deregister``;
+once ``deregister`` returns, the caller may free or overwrite it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal, NamedTuple
+
+State = Literal["pending", "done", "failed"]
+
+
+class Region(NamedTuple):
+    addr: int
+    nbytes: int
+    device: int = -1  # -1: host memory; >= 0: that CUDA device
+
+
+class Pair(NamedTuple):
+    remote: int  # address in the holder's registered memory
+    local: int  # address in ours
+    nbytes: int
+
+
+class EngineError(Exception):
+    pass
+
+
+class Engine(ABC):
+    kind: str
+
+    @abstractmethod
+    def register(self, regions: list[Region]) -> object:
+        """Make ``regions`` readable by peers and writable by our reads; returns a handle."""
+
+    @abstractmethod
+    def describe(self, handle: object) -> bytes:
+        """What a remote reader needs, besides addresses, to read the handle's regions."""
+
+    @abstractmethod
+    def deregister(self, handle: object) -> None:
+        """After this returns no peer can read the regions and the caller owns them again."""
+
+    @abstractmethod
+    def add_peer(self, address: str, description: bytes) -> object:
+        """Load a holder's description (idempotent); returns the peer key ``read`` takes."""
+
+    @abstractmethod
+    def read(self, peer: object, pairs: list[Pair], device: int = -1) -> object:
+        """Start one read of all ``pairs`` into local memory on ``device`` (-1: host);
+        returns a transfer to poll. Raises EngineError
+        when the read cannot even start (unknown peer, unregistered memory)."""
+
+    @abstractmethod
+    def state(self, transfer: object) -> State:
+        ...
+
+    @abstractmethod
+    def release(self, transfer: object) -> bool:
+        """Free a transfer. Returns False when it is still in flight and could not be
+        stopped; the caller keeps it and tries again later (its target memory may still
+        be written until then)."""
+
+    def progress(self) -> None:
+        """Let the transport serve peers' reads of our memory; called every millisecond
+        or so by the endpoint's service thread while it holds anything."""
+
+    def close(self) -> None:
+        ...
