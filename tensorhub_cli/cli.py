@@ -235,7 +235,17 @@ def sync(model: str = typer.Argument(..., help="model name"),
         out.print(f"synced {model}@{run.version} to {len(run.targets)} endpoint(s)")
 
 
-BENCH_WORKLOADS = ("hub",)
+BENCH_WORKLOADS = ("hub", "p2p", "fanout")
+
+
+def _reader_counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1 or counts[-1] > 64:
+        fail(f"th bench fanout: --readers must be a comma list of counts in 1..64, got {text!r}", 2)
+    return counts
 
 
 @app.command()
@@ -248,7 +258,12 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
           depth: int = typer.Option(64, min=1, help="hub: requests in flight in the throughput phase"),
           planner: str = typer.Option("ros", help="hub: ros, or star (the all-from-publisher baseline)"),
           timeout: float = typer.Option(600.0, min=1, help="seconds before a phase counts as stuck"),
-          profile: Optional[Path] = typer.Option(None, help="hub: write a cProfile of the hub process here")) -> None:
+          profile: Optional[Path] = typer.Option(None, help="hub: write a cProfile of the hub process here"),
+          mib: float = typer.Option(0, min=0, help="p2p/fanout: payload MiB (default 256 / 128)"),
+          readers: str = typer.Option("1,2,4,8", help="fanout: reader counts"),
+          reps: int = typer.Option(3, min=1, help="p2p: repetitions (medians are reported)"),
+          window: int = typer.Option(0, min=0, help="p2p/fanout: reads in flight per reader (default 4 / 2)"),
+          engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp")) -> None:
     """Measure a workload and print JSON (ratios and latencies measured in one run)."""
     if workload not in BENCH_WORKLOADS:
         fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
@@ -256,6 +271,23 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
         fail(f"th bench {workload}: --plot: this workload has no chart", 2)
     if planner not in ("ros", "star"):
         fail(f"th bench {workload}: --planner must be ros or star, got {planner!r}", 2)
+    if engine not in ("nixl", "tcp"):
+        fail(f"th bench {workload}: --engine must be nixl or tcp, got {engine!r}", 2)
+    if workload != "hub":
+        from .bench import fanout, p2p
+        from .bench.rig import RigError
+
+        if not as_json:
+            err.print(f"bench {workload}: starting processes on loopback …", highlight=False)
+        try:
+            if workload == "p2p":
+                result = p2p.run(mib=mib or 256, reps=reps, window=window or 4, engine=engine)
+            else:
+                result = fanout.run(_reader_counts(readers), mib=mib or 128, window=window or 2, engine=engine)
+        except (RigError, RuntimeError) as exc:
+            fail(f"th bench {workload}: {exc}", 1)
+        print(json.dumps(result, indent=None if as_json else 2))
+        return
     from .bench import hub as hub_bench
 
     if not as_json:

@@ -10,8 +10,10 @@ holdings after a hub restart, and runs the hub's commands for it:
 - ``load`` (``th publish --from``): read a safetensors file on this node into host
   memory and publish it.
 
-SIGTERM/SIGINT: unpublish what it holds (bounded, so retention can move copies
-elsewhere), deregister, exit 0.
+SIGTERM/SIGINT: deregister and exit 0 without draining. ``th down`` stops every agent
+at once, so copies would have nowhere to go; a reader mid-read from us re-plans (the
+hub drops our references at once, contract 6). Moving a node's copies away first is
+``th failover``'s job (the RL-loop issue), not a signal's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ log = logging.getLogger("tensorhub.agent")
 
 
 def run(hub: str, token: str, node: str, address: str, dc: str, rack: str, spot: bool, heartbeat_s: float,
-        engine: str, drain_timeout: float = 10.0) -> None:
+        engine: str, drain_timeout: float = 0.0) -> None:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from ..engines import wire
@@ -77,6 +78,8 @@ class Endpoint:
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
         self._zombies: list = []  # transfers that could not be released yet
+        # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
+        self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served)
         self.info = msgspec_replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode())
         self._rpc = HubClient(hub, token, source=host)
@@ -264,6 +267,7 @@ class Endpoint:
         self._rpc.close()
         self.tcp.close()
         self.engine.close()
+        self.verifiers.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "Endpoint":
         return self

@@ -6,30 +6,36 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
    window. Reads we are not running yet start at once, one engine read per chunk,
    straight into the destination memory. A read the hub no longer lists (its source
    expired, so the hub re-planned the chunk) is abandoned for the new one.
-2. Poll the reads. A finished chunk is checksum-verified (contract 5) before it counts:
+2. Poll the reads. A finished chunk is checksum-verified (contract 5), on a verifier
+   thread so hashing overlaps the next reads, before it counts:
    a match makes us a holder of it; a mismatch, an engine failure or a read older than
    ``read_timeout`` goes back to the hub as failed, and the hub re-plans it elsewhere.
-3. Report verified and failed chunks in one ``Progress`` at most 50 ms after the first
-   of them finished, then plan again. Done when every chunk is verified.
+3. Report verified and failed chunks with the next ``Plan`` (it carries the progress)
+   once half the window has finished, and at most 50 ms after the first of them did.
+   Done when every chunk is verified. Plans go out without blocking: one is in flight
+   at a time while reads go on, on the fetch's own hub socket.
 
 The hub's errors end the fetch (``unavailable``, ``not_found``, ``draining``) with a
-``FetchError``; an unreachable hub is retried until the deadline, as the endpoint's
-service thread re-registers us (and our reads in flight) with a restarted hub.
+``FetchError``; a plan unanswered for ``PLAN_TIMEOUT_S`` is sent again (progress is
+idempotent) until the deadline, as the endpoint's service thread re-registers us (and
+our reads in flight) with a restarted hub.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from ..engines import wire
 from ..engines.base import EngineError, Pair
 from ..hub import protocol as p
-from ..hub.client import HubError, HubUnreachable
+from ..hub.client import HubClient, HubError
 from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
 REPORT_S = 0.05
+PLAN_TIMEOUT_S = 5.0
 
 
 class FetchError(RuntimeError):
@@ -44,6 +50,7 @@ class Fetch:
         self.window = window
         self.read_timeout = read_timeout
         self.inflight: dict[int, tuple[str, object, object, float]] = {}  # chunk -> (source, engine, xfer, t0)
+        self.verifying: dict[int, tuple[str, Future]] = {}  # chunk -> (source, its checksum being computed)
         self.done: list[int] = []
         self.failed: list[p.Read] = []
         self.first_result = 0.0
@@ -56,65 +63,94 @@ class Fetch:
     # --- the loop --------------------------------------------------------------------
 
     def run(self) -> None:
+        """Until the hub says we hold everything. One plan request is in flight at a
+        time, sent without waiting: reads already started keep moving (and verifying)
+        while the hub answers."""
+        self.client = HubClient(self.ep._rpc.address, self.ep._token, source=self.ep.host)
+        try:
+            self._loop()
+        finally:
+            self.client.close()
+
+    def _loop(self) -> None:
         total = len(self.held.placed.views)
-        plan_due = True
-        last_plan = 0.0
-        idle = 0.0002
+        self.asked = None  # (rid, sent at, the Plan) awaiting its reply
+        plan_due, idle = True, 0.0002
         while True:
             now = time.monotonic()
             if now > self.deadline:
                 raise FetchError(f"timed out with {len(self.held.held)}/{total} chunks verified")
-            if (self.done or self.failed) and (now - self.first_result >= REPORT_S or not self.inflight):
-                only_failures = not self.done
-                self._report()
+            busy = len(self.inflight) + len(self.verifying)
+            results = len(self.done) + len(self.failed)
+            # Report (with the next plan) once half the window has results, so reads
+            # keep flowing, and never sit on a result longer than REPORT_S.
+            if results and (2 * results >= self.window or now - self.first_result >= REPORT_S or not busy):
                 plan_due = True
-                # Reads that only fail (a dying source the hub has not expired yet, the
-                # last holder of a chunk turning out corrupt) are retried with backoff,
-                # not in a hot loop against the hub and the source.
-                self.backoff = min(max(0.01, self.backoff * 2), 0.5) if only_failures else 0.0
-                if self.backoff:
-                    time.sleep(min(self.backoff, max(0.0, self.deadline - time.monotonic())))
-            if plan_due and len(self.inflight) < self.window:
-                if self._plan():
-                    return
+            if self.asked is None and plan_due and (results or len(self.inflight) < self.window):
+                self._ask()
                 plan_due = False
-                last_plan = time.monotonic()
-            progressed = self._poll()
-            if progressed:
+            if self.asked is not None:
+                planned = self._answer()
+                if planned is not None:
+                    if planned.complete:
+                        return
+                    self._start_planned(planned)
+                    if not planned.reads and not busy:
+                        # Nothing to read yet (sources busy, a seed filling beyond a DC
+                        # link): ask again soon, backing off to 50 ms.
+                        idle = min(idle * 2, 0.05)
+                        time.sleep(idle)
+                        plan_due = True
+            if self._poll():
                 idle = 0.0002
-                continue
-            if not self.inflight and not self.done and not self.failed:
-                # Nothing to read yet (sources busy, a seed filling beyond a DC link):
-                # ask again soon, backing off to 50 ms.
-                if time.monotonic() - last_plan >= idle:
-                    plan_due = True
-                idle = min(idle * 2, 0.05)
-                time.sleep(idle)
-            else:
-                time.sleep(idle)
+            elif self.verifying and not self.inflight and self.asked is None:
+                # Only hashing left to wait for: wake the moment a checksum is ready.
+                wait([f for _, f in self.verifying.values()], timeout=0.002, return_when=FIRST_COMPLETED)
+            elif self.asked is not None and not self.inflight:
+                self._answer_wait(0.002)
+            elif busy:
+                time.sleep(min(idle, 0.0005))
                 idle = min(idle * 1.5, 0.002)
+            elif not self.asked:
+                plan_due = True
 
-    def _call(self, op):
-        while True:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise FetchError("timed out waiting for the hub")
-            try:
-                return self.ep._call(op, timeout=min(5.0, left))
-            except HubUnreachable:
-                continue  # the service thread re-registers us when the hub is back
-            except HubError as exc:
-                if exc.code == "unknown_endpoint":
-                    self.ep._await_registered(min(5.0, left))
-                    continue
-                raise FetchError(f"hub refused {type(op).__name__.lower()} of "
-                                 f"{self.held.model}@{self.held.version}: {exc}") from None
-
-    def _plan(self) -> bool:
+    def _ask(self) -> None:
         h = self.held
-        planned = self._call(p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window))
-        if planned.complete:
-            return True
+        op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
+                    chunks=self.done, failed=self.failed)
+        only_failures = self.failed and not self.done
+        self.done, self.failed = [], []
+        # Reads that only fail (a dying source the hub has not expired yet, the last
+        # holder of a chunk turning out corrupt) are retried with backoff, not in a hot
+        # loop against the hub and the source.
+        self.backoff = min(max(0.01, self.backoff * 2), 0.5) if only_failures else 0.0
+        if self.backoff:
+            time.sleep(min(self.backoff, max(0.0, self.deadline - time.monotonic())))
+        self.asked = (self.client.send(op), time.monotonic(), op)
+
+    def _answer_wait(self, timeout: float) -> None:
+        """Block briefly for the hub's reply (nothing else to do); ``_answer`` takes it."""
+        self.client.reply_ready(timeout)
+
+    def _answer(self) -> p.Planned | None:
+        rid, sent, op = self.asked
+        try:
+            planned = self.client.reply(rid)
+        except HubError as exc:
+            self.asked = None
+            if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
+                self.ep._await_registered(max(0.1, min(5.0, self.deadline - time.monotonic())))
+                return None
+            raise FetchError(f"hub refused plan of {self.held.model}@{self.held.version}: {exc}") from None
+        if planned is None:
+            if time.monotonic() - sent > PLAN_TIMEOUT_S:  # lost (hub restarting?): ask again, same report
+                self.asked = (self.client.send(op), time.monotonic(), op)
+            return None
+        self.asked = None
+        return planned
+
+    def _start_planned(self, planned: p.Planned) -> None:
+        h = self.held
         listed = {r.chunk: r.source for r in planned.reads}
         for chunk, (source, *_rest) in list(self.inflight.items()):
             if listed.get(chunk) != source:
@@ -122,10 +158,10 @@ class Fetch:
         sources = {s.name: s for s in planned.sources}
         unreported = {r.chunk for r in self.failed}
         for read in planned.reads:
-            if read.chunk in self.inflight or read.chunk in h.held or read.chunk in unreported:
+            if read.chunk in self.inflight or read.chunk in self.verifying or read.chunk in h.held \
+                    or read.chunk in unreported:
                 continue
             self._start(read, sources.get(read.source))
-        return False
 
     def _start(self, read: p.Read, source: p.Source | None) -> None:
         h = self.held
@@ -174,18 +210,25 @@ class Fetch:
             if state == "failed":
                 self.peers.pop(source, None)
                 self._fail(chunk, source)
-            elif self.held.placed.checksum(chunk) != self.held.expected(chunk).checksum:
+            else:  # hashed on a verifier thread, while this one keeps moving bytes
+                self.verifying[chunk] = (source, self.ep.verifiers.submit(self.held.placed.checksum, chunk))
+        for chunk, (source, digest) in list(self.verifying.items()):
+            if not digest.done():
+                continue
+            progressed = True
+            del self.verifying[chunk]
+            if digest.result() != self.held.expected(chunk).checksum:
                 self._warn(source, f"chunk {chunk} from {source} failed its checksum; re-planning it")
                 self.stats["corrupt"] += 1
                 self._fail(chunk, source)
-            else:
-                self.held.placed.finish(chunk)
-                with self.held.lock:
-                    self.held.held.add(chunk)
-                self.stats["bytes"] += self.held.placed.views[chunk].nbytes
-                self.stats["reads"] += 1
-                self._result()
-                self.done.append(chunk)
+                continue
+            self.held.placed.finish(chunk)
+            with self.held.lock:
+                self.held.held.add(chunk)
+            self.stats["bytes"] += self.held.placed.views[chunk].nbytes
+            self.stats["reads"] += 1
+            self._result()
+            self.done.append(chunk)
         return progressed
 
     def _warn(self, source: str, message: str) -> None:
@@ -214,12 +257,6 @@ class Fetch:
     def _result(self) -> None:
         if not self.done and not self.failed:
             self.first_result = time.monotonic()
-
-    def _report(self) -> None:
-        h = self.held
-        done, failed = self.done, self.failed
-        self.done, self.failed = [], []
-        self._call(p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every read in flight (bounded), so the hub's Cancel may follow."""

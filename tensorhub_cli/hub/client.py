@@ -10,6 +10,7 @@ commands for agents) are queued in ``pushed``. Not thread-safe: one client per t
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 
@@ -53,12 +54,20 @@ class HubClient:
         return rid
 
     def wait(self, rid: int, timeout: float) -> p.Body:
+        body = self.reply(rid, timeout)
+        if body is None:
+            raise HubUnreachable(f"no reply from hub at {self.address} within {timeout:.1f}s")
+        return body
+
+    def reply(self, rid: int, timeout: float = 0.0) -> p.Body | None:
+        """The reply to ``rid`` if it arrives within ``timeout`` (0: only if already
+        here), else None; raises ``HubError`` for an ``Error`` reply."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            if not self._sock.poll(max(0, math.ceil(left * 1000))):
                 if time.monotonic() >= deadline:
-                    raise HubUnreachable(f"no reply from hub at {self.address} within {timeout:.1f}s")
+                    return None
                 continue
             reply = p.decode_reply(self._sock.recv())
             if reply.rid == 0:
@@ -67,6 +76,10 @@ class HubClient:
                 if isinstance(reply.body, p.Error):
                     raise HubError(reply.body)
                 return reply.body
+
+    def reply_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for any frame to arrive (``reply`` then reads it)."""
+        return bool(self._sock.poll(int(timeout * 1000)))
 
     def call(self, op: p.Op, timeout: float = 5.0) -> p.Body:
         return self.wait(self.send(op), timeout)

@@ -116,10 +116,15 @@ class Resolve(Msg, tag="resolve"):
 
 
 class Plan(Msg, tag="plan"):
+    """Assign reads; ``chunks``/``failed`` first apply a ``Progress`` (one round trip
+    per cycle of the reader's loop instead of two)."""
+
     name: str
     model: str
     version: int
     window: int = 32
+    chunks: list[int] = []
+    failed: list[Read] = []
 
 
 class Progress(Msg, tag="progress"):

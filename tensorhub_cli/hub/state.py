@@ -367,6 +367,9 @@ class Hub(Commands):
 
     def plan(self, now: float, op: p.Plan) -> p.Planned:
         reader = self._endpoint(op.name)
+        if op.chunks or op.failed:
+            self.progress(now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
+                                          failed=op.failed))
         v = self._version(op.model, op.version)
         self._require_ready(v)
         if op.name in v.draining:

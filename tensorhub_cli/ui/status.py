@@ -56,6 +56,8 @@ def render_versions(console: Console, versions: list[p.VersionStatus]) -> None:
         return
     t = Table("model", "version", "state", "MiB", "chunks", "complete holders", "partial holders", "reliable copies",
               title="versions", title_justify="left")
+    for col in t.columns[5:7]:
+        col.overflow = "fold"  # endpoint names are the point of these columns: never cut them
     for v in versions:
         complete = [h.name for h in v.holders if h.complete]
         partial = [f"{h.name} {h.held_bytes / max(v.nbytes, 1):.0%}" for h in v.holders if not h.complete]

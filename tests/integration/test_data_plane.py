@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.client import HubError
 
 from ..conftest import free_port
 from .peers import Worker, wait_until
@@ -133,3 +134,33 @@ def test_unpublish_waits_for_a_slow_read_and_the_reader_gets_the_old_bytes(hub):
     res = reader.recv(60)
     assert res.get("version") == 1 and res["equal"], res  # the old bytes, intact
     assert unpublished["t_done"] >= res["t_done"] - 0.5  # (monotonic clock, shared by processes)
+
+
+def test_a_restarted_hub_rebuilds_from_endpoint_holdings_and_serves_new_readers(token_file):
+    from tensorhub_cli.launch.procs import stop_child
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address)
+    workers = [Worker(address, TOKEN, name) for name in ("pub", "reader", "late")]
+    pub, reader, late = workers
+    try:
+        pub.ask("publish", model="m", version=1, seed=9, mib=8, chunk_mib=1)
+        assert reader.ask("fetch", model="m", seed=9, mib=8)["equal"]
+        client.close()
+        stop_child(proc)  # every reference the hub had is gone with it
+        proc, client = start_hub(token_file, address)
+        def rebuilt():
+            try:
+                (v,) = client.call(p.Versions(model="m")).versions
+            except HubError:  # not_found until the first holder re-registers
+                return False
+            return v.state == "READY" and v.complete_replicas == 2
+
+        wait_until(rebuilt, 30, "endpoints to re-register what they hold")
+        res = late.ask("fetch", model="m", seed=9, mib=8)
+        assert res.get("version") == 1 and res["equal"], res
+    finally:
+        for w in workers:
+            w.stop()
+        client.close()
+        stop_child(proc)

@@ -7,7 +7,6 @@ Tensors are made from a seed, so any process can rebuild the exact bytes to comp
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -17,6 +16,7 @@ import traceback
 import torch
 
 from tensorhub_cli import connect
+from tensorhub_cli.bench.peer import arguments
 
 
 def make(seed: int, mib: float, small: int = 6) -> dict[str, torch.Tensor]:
@@ -30,11 +30,7 @@ def make(seed: int, mib: float, small: int = 6) -> dict[str, torch.Tensor]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hub", required=True)
-    ap.add_argument("--token", required=True)
-    ap.add_argument("--name", required=True)
-    ap.add_argument("--engine", default="nixl")
+    ap = arguments()
     ap.add_argument("--node", default="local")
     ap.add_argument("--cluster", default=None)
     args = ap.parse_args()

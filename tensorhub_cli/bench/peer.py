@@ -1,0 +1,157 @@
+"""A benchmark endpoint process: ``python -m tensorhub_cli.bench.peer --hub A --token T --name N``.
+
+It answers one JSON line per JSON line on stdin (see ``rig.Driven``). Besides the
+endpoint's own publish/fetch it can serve and read the same memory with raw NIXL (one
+READ of every chunk, no hub, no checksums) and a raw TCP socket (one stream), so that
+a benchmark compares our path with the bare transports between the same two processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from tensorhub_cli import connect
+from tensorhub_cli.engines.tcp import host_view
+
+
+def tensors(mib: float, seed: int) -> dict[str, torch.Tensor]:
+    n = int(mib * 2**20) // 4 // 4
+    return {f"w{i}": torch.arange(n, dtype=torch.int32) * (seed + i) for i in range(4)}
+
+
+class Peer:
+    def __init__(self, ep):
+        self.ep = ep
+        self.mine: dict = {}  # (model, version) -> published tensors
+        self.dst: dict | None = None
+        self.raw = None
+
+    def publish(self, model: str, version: int, mib: float, chunk_mib: float = 16) -> dict:
+        sd = self.mine[(model, version)] = tensors(mib, version)
+        m = self.ep.publish(model, version, sd, chunk_bytes=int(chunk_mib * 2**20))
+        return {"chunks": len(m.chunks)}
+
+    def prepare(self, mib: float) -> dict:
+        self.dst = {k: torch.zeros_like(v) for k, v in tensors(mib, 0).items()}  # zeros_like touches every page
+        return {"prepared": sum(t.nbytes for t in self.dst.values())}
+
+    def fetch(self, model: str, version: int, window: int = 4, timeout: float = 300) -> dict:
+        t0 = time.monotonic()
+        got = self.ep.fetch(model, version, into=self.dst, window=window, timeout=timeout)
+        t1 = time.monotonic()
+        ok = all(torch.equal(self.dst[k], v) for k, v in tensors(sum(t.nbytes for t in self.dst.values()) / 2**20,
+                                                                   version).items())
+        return {"version": got, "s": t1 - t0, "t_done": t1, "equal": ok, "stats": self.ep.last_fetch}
+
+    def unpublish(self, model: str, version: int) -> dict:
+        self.ep.unpublish(model, version)
+        self.mine.pop((model, version), None)
+        return {"unpublished": version}
+
+    # --- the bare transports, for comparison -----------------------------------------
+
+    def _raw_agent(self):
+        if self.raw is None:
+            from tensorhub_cli.engines.nixl_shim import load_nixl
+
+            nixl = load_nixl()
+            self.raw = nixl.nixl_agent(f"raw-{self.ep.name}", nixl.nixl_agent_config(enable_prog_thread=False,
+                                                                                      backends=["UCX"]))
+        return self.raw
+
+    def raw_serve(self, model: str, version: int) -> dict:
+        agent = self._raw_agent()
+        sd = self.mine[(model, version)]
+        regions = [(t.data_ptr(), t.nbytes) for t in sd.values()]
+        agent.register_memory([(a, n, 0, "") for a, n in regions], mem_type="DRAM")
+
+        def progress() -> None:  # the passive side must progress, as in our endpoint
+            while True:
+                agent.get_new_notifs()
+                time.sleep(0.001)
+
+        threading.Thread(target=progress, daemon=True).start()
+        server = socket.create_server(("127.0.0.1", 0))
+
+        def serve() -> None:
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    for a, n in regions:
+                        conn.sendall(host_view(a, n))
+
+        threading.Thread(target=serve, daemon=True).start()
+        return {"md": base64.b64encode(agent.get_agent_metadata()).decode(), "regions": regions,
+                "tcp": f"127.0.0.1:{server.getsockname()[1]}"}
+
+    def raw_nixl(self, md: str, regions: list, chunk_mib: float = 16) -> dict:
+        agent = self._raw_agent()
+        local = [(t.data_ptr(), t.nbytes) for t in self.dst.values()]
+        agent.register_memory([(a, n, 0, "") for a, n in local], mem_type="DRAM")
+        peer = agent.add_remote_agent(base64.b64decode(md))
+        step = int(chunk_mib * 2**20)
+        pairs = [((ra + o, min(step, rn - o), 0), (la + o, min(step, rn - o), 0))
+                 for (ra, rn), (la, _) in zip(regions, local) for o in range(0, rn, step)]
+        rdescs = agent.get_xfer_descs([r for r, _ in pairs], mem_type="DRAM")
+        ldescs = agent.get_xfer_descs([lo for _, lo in pairs], mem_type="DRAM")
+        t0 = time.monotonic()
+        handle = agent.initialize_xfer("READ", ldescs, rdescs, peer)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        s = time.monotonic() - t0
+        agent.release_xfer_handle(handle)
+        return {"s": s, "state": state}
+
+    def raw_tcp(self, address: str) -> dict:
+        host, _, port = address.rpartition(":")
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            for t in self.dst.values():
+                view, got = host_view(t.data_ptr(), t.nbytes), 0
+                while got < t.nbytes:
+                    got += sock.recv_into(view[got:])
+        return {"s": time.monotonic() - t0}
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The flags every driven endpoint process takes (tests' workers add their own)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hub", required=True)
+    ap.add_argument("--token", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--engine", default="nixl")
+    return ap
+
+
+def main() -> int:
+    args = arguments().parse_args()
+    ep = connect(hub=args.hub, token=args.token, name=args.name, engine=args.engine, heartbeat_s=0.5)
+    peer = Peer(ep)
+    print(json.dumps({"ready": True, "engine": ep.engine.kind}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            ep.close(drain_timeout=cmd.get("drain_timeout", 5))
+            print(json.dumps({"closed": True}), flush=True)
+            break
+        try:
+            reply = getattr(peer, op)(**cmd)
+        except Exception as exc:
+            reply = {"error": str(exc), "type": type(exc).__name__, "trace": traceback.format_exc()}
+        print(json.dumps(reply), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What benchmarks (and the integration tests) run processes with: a hub in a
+subprocess, and ``Driven`` processes that answer one JSON line per JSON line asked.
+
+Every process started here is stopped by its PID on exit, whatever happened; every
+wait has a timeout that names the process and shows the end of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from ..hub.client import HubUnreachable, wait_for_hub
+from ..launch.procs import stop_child
+
+
+class RigError(Exception):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None):
+    """A hub process on loopback → (address, token)."""
+    token = token or secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="th-rig-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(token)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        log = open(Path(tmp) / "hub.log", "w+b")
+        proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", address, "--token-file",
+                                 str(token_file), "--expiry-s", str(expiry_s), "--planner", planner],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            try:
+                wait_for_hub(address, token, timeout=30, alive=lambda: proc.poll() is None)
+            except HubUnreachable as exc:
+                log.seek(0)
+                raise RigError(f"{exc}; hub log:\n{log.read().decode(errors='replace')[-2000:]}") from None
+            yield address, token
+        finally:
+            stop_child(proc)
+            log.close()
+
+
+class Driven:
+    """A child process that reads JSON lines on stdin and answers each with one line;
+    its first line is a greeting. stderr goes to a temp file (a pipe nobody drains
+    would block a chatty child)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"th-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env={**os.environ, **(env or {})})
+        self._lines: queue.Queue = queue.Queue()
+        self._hello: dict | None = None  # read on first use, so that children start in parallel
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        # A thread, not select() on the pipe: readline() buffers ahead, and a line
+        # already in Python's buffer never wakes select() again.
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-3000:]
+
+    def _line(self, timeout: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RigError(f"{self.name}: no answer within {timeout}s; its log ends:\n{self.stderr()}") from None
+        if line is None:
+            raise RigError(f"{self.name} exited ({self.proc.poll()}): {self.stderr()}")
+        return json.loads(line)
+
+    @property
+    def hello(self) -> dict:
+        if self._hello is None:
+            self._hello = self._line(120)
+        return self._hello
+
+    def send(self, op: str, **args) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float = 60) -> dict:
+        self.hello  # noqa: B018 (the greeting comes first)
+        return self._line(timeout)
+
+    def ask(self, op: str, timeout: float = 60, **args) -> dict:
+        self.send(op, **args)
+        reply = self.recv(timeout)
+        if reply.get("trace"):
+            raise RigError(f"{self.name}: {op} raised {reply['type']}: {reply['error']}\n{reply['trace']}")
+        return reply
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("exit", drain_timeout=2)
+                self.proc.wait(timeout=15)
+            except Exception:
+                pass
+        stop_child(self.proc)
+        self.log.close()
+        os.unlink(self.log.name)

@@ -1,0 +1,86 @@
+"""Layouts: publish cuts a state_dict into chunks without copying large tensors; a
+reader maps any manifest onto its own tensors; mismatches are listed, all at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorhub_cli.endpoint.layout import LayoutError, lay_out, place
+
+
+def state_dict():
+    g = torch.Generator().manual_seed(1)
+    return {"emb": torch.randn(300, 1000, generator=g), "bias": torch.randn(10, generator=g),
+            "step": torch.tensor([3]), "half": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+            "empty": torch.zeros(0), "w": torch.randn(70_000, generator=g)}
+
+
+def test_large_tensors_are_chunked_in_place_and_small_ones_share_a_staging_chunk():
+    sd = state_dict()
+    m, placed = lay_out(sd, chunk_bytes=256 << 10, small_bytes=64 << 10)
+    assert [t.name for t in m.tensors] == list(sd)  # manifest order is the state_dict's
+    big = {r.addr for r in placed.regions}
+    assert sd["emb"].data_ptr() in big and sd["w"].data_ptr() in big  # registered where they lie
+    assert sum(c.nbytes for c in m.chunks) == sum(t.nbytes for t in sd.values())
+    emb = next(t for t in m.tensors if t.name == "emb")
+    assert emb.offset == sum(t.nbytes for n, t in sd.items() if t.nbytes < 64 << 10)  # after the staging area
+    assert all(0 < c.nbytes <= 256 << 10 for c in m.chunks)
+
+
+def test_a_reader_gets_every_byte_through_direct_and_staged_chunks():
+    sd = state_dict()
+    m, src = lay_out(sd, chunk_bytes=256 << 10, small_bytes=64 << 10)
+    dst = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    placed = place([m], dst)
+    assert placed.scatter  # the small tensors arrive through a staging chunk
+    for c, meta in enumerate(m.chunks):
+        placed.views[c].copy_(src.views[c])  # what an engine read does
+        assert placed.checksum(c) == meta.checksum
+        placed.finish(c)
+    assert all(torch.equal(sd[k], dst[k]) for k in sd)
+
+
+def test_every_mismatch_is_listed_and_nothing_is_written():
+    m, _ = lay_out(state_dict(), chunk_bytes=256 << 10, small_bytes=64 << 10)
+    dst = {k: torch.zeros_like(v) for k, v in state_dict().items()}
+    dst["emb"] = torch.zeros(300, 999)
+    dst["w"] = torch.zeros(70_000, dtype=torch.float64)
+    dst["extra"] = torch.zeros(1)
+    del dst["bias"]
+    dst["half"] = torch.zeros(3, 2, dtype=torch.bfloat16).t()  # right shape, not contiguous
+    before = {k: v.clone() for k, v in dst.items()}
+    with pytest.raises(LayoutError) as err:
+        place([m], dst)
+    problems = err.value.problems
+    assert "bias: missing from the destination" in problems
+    assert "extra: not in the manifest" in problems
+    assert "emb: shape [300, 999], manifest has [300, 1000]" in problems
+    assert "w: dtype float64, manifest has float32" in problems
+    assert "half: not contiguous" in problems
+    assert all(torch.equal(before[k], dst[k]) for k in dst)
+
+
+def test_publishing_what_cannot_register_names_each_tensor():
+    bad = {"t": torch.zeros(4, 4).t(), "x": [1, 2]}
+    with pytest.raises(LayoutError) as err:
+        lay_out(bad)
+    assert any(p.startswith("t: not contiguous") for p in err.value.problems)
+    assert "x: not a tensor (list)" in err.value.problems
+    with pytest.raises(LayoutError, match="empty"):
+        lay_out({})
+
+
+def test_shards_map_to_global_chunks_rank_zero_first():
+    a = {"a": torch.arange(1000, dtype=torch.int32)}
+    b = {"b": torch.arange(3000, dtype=torch.int32)}
+    ma, pa = lay_out(a, chunk_bytes=1024, small_bytes=1)
+    mb, pb = lay_out(b, chunk_bytes=1024, small_bytes=1)
+    dst = {"a": torch.zeros(1000, dtype=torch.int32), "b": torch.zeros(3000, dtype=torch.int32)}
+    placed = place([ma, mb], dst)
+    sources = pa.views + pb.views
+    assert len(placed.views) == len(sources) == len(ma.chunks) + len(mb.chunks)
+    for c, view in enumerate(sources):
+        placed.views[c].copy_(view)
+        placed.finish(c)
+    assert torch.equal(dst["a"], a["a"]) and torch.equal(dst["b"], b["b"])
