@@ -162,9 +162,14 @@ class Endpoint:
         resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
                               timeout=min(10.0, timeout))
         held = self._replicas.get((model, resolved.version))
-        if held is not None and not callable(into) and held.rank < 0 and len(held.held) == len(held.placed.views) \
-                and {t.data_ptr() for t in into.values() if t.nbytes} <= {r.addr for r in held.placed.regions}:
-            return resolved.version  # already a complete holder of it, in this very memory
+        if held is not None and (held.rank >= 0 or len(held.held) == len(held.placed.views)) and (
+                callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
+                <= {r.addr for r in held.placed.regions}):
+            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0}
+            return resolved.version  # already a complete holder of it (in this memory, if one was given)
+        if held is not None:
+            raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
+                                "(or is still fetching it); unpublish it first")
         if callable(into):  # a destination made to measure (agents' host copies)
             into = into(resolved.shards)
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
@@ -172,6 +177,7 @@ class Endpoint:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
         self._add(held)
+        self._reap()
         job = Fetch(self, held, deadline, window, read_timeout)
         try:
             job.run()
@@ -183,6 +189,10 @@ class Endpoint:
             raise
         self.last_fetch = job.stats
         return resolved.version
+
+    def _reap(self) -> None:
+        """Release transfers a failed or re-planned read left behind, once they let go."""
+        self._zombies = [(engine, xfer) for engine, xfer in self._zombies if not engine.release(xfer)]
 
     def _abort(self, job: Fetch, held: Held) -> None:
         """A failed fetch leaves no replica: stop reads, release pins, let the partial go."""
@@ -225,6 +235,11 @@ class Endpoint:
 
     def on_command(self, cmd: p.Command) -> None:
         """Run a hub command (service worker thread); the outcome goes back as a Report."""
+        if cmd.action == "release":  # the hub forgot it: no drain to wait for, no report
+            held = self._replicas.get((cmd.model, cmd.version))
+            if held is not None:
+                self._drop(held)
+            return
         kind, message = {"retain": "retained", "fetch": "fetched", "load": "loaded"}[cmd.action], ""
         try:
             if cmd.action == "load":

@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import logging
 import threading
+import time
 from typing import Callable
 
 from ..engines import wire
@@ -24,6 +25,7 @@ class PeerServer:
         self._describe = describe
         self._regions = regions
         self._idle_s = idle_s
+        self.last_ask = float("-inf")  # when a peer last asked us anything (the service's pace)
         self._loop = asyncio.new_event_loop()
         self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, host, 0))
         self.address = f"{host}:{self._server.sockets[0].getsockname()[1]}"
@@ -46,6 +48,7 @@ class PeerServer:
                 if ask.v != wire.WIRE_VERSION or not hmac.compare_digest(ask.token.encode(), self._token):
                     await self._refuse(writer, "auth", "bad token or peer wire version")
                     return
+                self.last_ask = time.monotonic()
                 if isinstance(ask.op, wire.ReadBytes):
                     await serve_read(writer, self._regions, ask.op)
                 else:

@@ -3,8 +3,9 @@
 Protocol. Register (with every holding, so a restarted hub rebuilds our references:
 contract 7), then heartbeat every ``heartbeat_s``. ``unknown_endpoint`` means the hub
 forgot us: register again. Between beats the thread waits on the hub socket for
-pushed ``Command``s in slices of 1 ms while we hold memory (the engine's passive side
-must progress for peers' reads to finish) and 50 ms otherwise. Commands run on a
+pushed ``Command``s in slices of 1 ms while readers are at our memory (the engine's
+passive side must progress for peers' reads to finish), 10 ms while we hold memory
+nobody asked about lately, 50 ms otherwise. Commands run on a
 worker thread, one at a time, so a long fetch never stalls heartbeats.
 """
 
@@ -19,6 +20,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 
 log = logging.getLogger("tensorhub.endpoint")
+HOT_S = 30.0
 
 
 class Service:
@@ -66,15 +68,24 @@ class Service:
                     if isinstance(exc, HubUnreachable):
                         self.registered.clear()
                 next_beat = now + self.heartbeat_s
-            holding = self.ep.holds_memory()
+            holding = self.ep.holds_memory() and self.ep.engine.needs_progress
             try:
-                self.client.poll_pushed(0.001 if holding else 0.05)
+                self.client.poll_pushed(self._slice(holding, now))
             except Exception as exc:  # a garbled push must not stop heartbeats
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
                 self.commands.put(self.client.pushed.popleft())
             if holding:
                 self.ep.engine.progress()
+
+    def _slice(self, holding: bool, now: float) -> float:
+        """How long to wait for hub frames before progressing the engine again. While
+        readers are at us (a describe within ``HOT_S``) a READ's rendezvous waits at most
+        1 ms for us; otherwise 10 ms, as a 1 ms loop costs ~6% of a core per holder
+        (measured on these 2-core machines)."""
+        if not holding:
+            return 0.05
+        return 0.001 if now - self.ep.peer.last_ask < HOT_S else 0.01
 
     def _work(self) -> None:
         while True:

@@ -38,6 +38,7 @@ class EngineError(Exception):
 
 class Engine(ABC):
     kind: str
+    needs_progress: bool = False  # True: reads of our memory stall unless ``progress`` runs
 
     @abstractmethod
     def register(self, regions: list[Region]) -> object:

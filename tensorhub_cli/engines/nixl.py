@@ -6,7 +6,8 @@ Defaults, all measured on the 2-core CPU machines this was built on (nixl-cu13 1
   that created a backend die with SIGSEGV at exit on hosts without RDMA devices.
 - No progress thread (``enable_prog_thread=False``): the wrapper's thread spins a full
   core per agent even when idle. Our endpoint calls ``progress`` from its service
-  thread instead, about every millisecond while it holds memory.
+  thread instead: every millisecond while peers are reading us (~6% of a core per
+  holder here), every 10 ms otherwise.
 - The passive side must progress: without it a holder never answers the rendezvous
   and a READ stays pending forever (seen: 60 s, no completion, shared memory and TCP
   alike). With the 1 ms loop a 256 MiB READ matched the wrapper's own thread.
@@ -51,6 +52,7 @@ def _quiet_nixl_logging() -> None:
 
 class NixlEngine(Engine):
     kind = "nixl"
+    needs_progress = True
 
     def __init__(self, name: str):
         nixl = load_nixl()

@@ -240,9 +240,10 @@ class Planned(Msg, tag="planned"):
 class Command(Msg, tag="command"):
     """Hub → endpoint. ``retain`` (to an agent): pull ``model@version`` into host memory
     and hold it. ``fetch``: fetch it (``th sync``). ``load`` (to an agent): load the
-    safetensors file at ``path`` and publish it as ``model@version`` (``th publish``)."""
+    safetensors file at ``path`` and publish it as ``model@version`` (``th publish``).
+    ``release`` (to an agent): the hub forgot that version; free the copy of it."""
 
-    action: Literal["retain", "fetch", "load"]
+    action: Literal["retain", "fetch", "load", "release"]
     model: str
     version: int
     path: str = ""

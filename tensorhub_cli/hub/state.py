@@ -632,6 +632,13 @@ class Hub(Commands):
             if not v.pins and number not in in_rounds and not v.draining:
                 del versions[number]
                 self.count("versions_dropped")
+                # Agents hold retention copies nobody will unpublish: tell them to let go,
+                # or every version ever retained would stay in their host memory.
+                for name in sorted(v.replicas):
+                    ep = self.endpoints.get(name)
+                    if ep is not None and ep.info.kind == "agent":
+                        self._outbound.append(Send(endpoint=name, body=p.Command(
+                            action="release", model=model, version=number)))
 
     # --- views -----------------------------------------------------------------------
 

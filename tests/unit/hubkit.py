@@ -35,8 +35,8 @@ def acks(events) -> list[Acked]:
     return [e for e in events if isinstance(e, Acked)]
 
 
-def sends(events) -> list[Send]:
-    return [e for e in events if isinstance(e, Send)]
+def sends(events, action: str | None = "retain") -> list[Send]:
+    return [e for e in events if isinstance(e, Send) and action in (None, e.body.action)]
 
 
 def fetch_all(hub: Hub, now, reader: str, model: str, version: int, window: int = 1024) -> int:

@@ -27,7 +27,7 @@ def test_sync_commands_every_live_endpoint_of_the_role_to_fetch_one_version():
     hub.publish(0, p.Publish(name="pub", model="m", version=2, manifest=manifest(4, salt=2)))
     got = hub.sync(0, p.Sync(model="m", role="rollout"))
     assert got == p.Synced(version=2, targets=["r0", "r1"])
-    cmds = sends(hub.take_outbound())
+    cmds = sends(hub.take_outbound(), action=None)
     assert {(s.endpoint, s.body.action, s.body.version) for s in cmds} == {("r0", "fetch", 2), ("r1", "fetch", 2)}
     by_node = hub.sync(0, p.Sync(model="m", version=1, node="n2"))
     assert by_node.targets == ["agent-n2"] and by_node.version == 1
@@ -51,7 +51,7 @@ def test_sync_refusals_name_the_problem_and_queue_nothing(op, code, needle):
 def test_load_goes_to_the_nodes_agent_only_when_it_is_alive_and_the_version_is_new():
     hub = ready_hub()
     hub.load_checkpoint(0, p.Load(node="n2", model="m", version=5, path="/ck.safetensors", chunk_bytes=1 << 20))
-    (cmd,) = sends(hub.take_outbound())
+    (cmd,) = sends(hub.take_outbound(), action=None)
     assert cmd.endpoint == "agent-n2" and cmd.body == p.Command(action="load", model="m", version=5,
                                                                  path="/ck.safetensors", chunk_bytes=1 << 20)
     with pytest.raises(HubFault, match="has no live agent"):
@@ -73,6 +73,21 @@ def test_reports_and_hub_events_are_kept_in_order_and_bounded():
     assert len(seqs) == EVENTS_KEPT and seqs == sorted(seqs) and seqs[-1] == EVENTS_KEPT + 12
     with pytest.raises(HubFault, match="is not registered"):
         hub.report(2.0, p.Report(name="ghost", kind="fetched", model="m", version=1))
+
+
+def test_a_dropped_version_is_released_by_the_agents_that_hold_copies_of_it():
+    hub = new_hub()  # keep_latest 2
+    reg(hub, 0, info("pub"), info("agent-n2", node="n2", kind="agent"), info("r", node="n3"))
+    for version in (1, 2):
+        hub.publish(0, p.Publish(name="pub", model="m", version=version, manifest=manifest(2, salt=version)))
+        for reader in ("agent-n2", "r"):
+            hub.plan(0, p.Plan(name=reader, model="m", version=version))
+            hub.progress(0, p.Progress(name=reader, model="m", version=version, chunks=[0, 1]))
+    hub.take_outbound()
+    hub.publish(0, p.Publish(name="pub", model="m", version=3, manifest=manifest(2, salt=3)))
+    assert 1 not in hub.models["m"]
+    released = [(s.endpoint, s.body.version) for s in sends(hub.take_outbound(), action="release")]
+    assert released == [("agent-n2", 1)]  # agents only: other holders unpublish on their own
 
 
 def test_holder_status_counts_bytes_of_mixed_chunk_sizes():
