@@ -89,7 +89,10 @@ class Driven:
             raise RigError(f"{self.name}: no answer within {timeout}s; its log ends:\n{self.stderr()}") from None
         if line is None:
             raise RigError(f"{self.name} exited ({self.proc.poll()}): {self.stderr()}")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise RigError(f"{self.name} wrote a line that is not its protocol: {line[:200]!r}") from None
 
     @property
     def hello(self) -> dict:

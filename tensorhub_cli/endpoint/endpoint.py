@@ -156,7 +156,7 @@ class Endpoint:
         return manifest
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
-              timeout: float = 60.0, window: int = 32, read_timeout: float = 30.0) -> int:
+              timeout: float = 60.0, window: int = 4, read_timeout: float = 30.0) -> int:
         deadline = time.monotonic() + timeout
         number = None if version == "latest" else int(version)
         resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),

@@ -139,6 +139,7 @@ class Fetch:
         except HubError as exc:
             self.asked = None
             if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
+                time.sleep(0.05)  # (the service thread may not have noticed yet)
                 self.ep._await_registered(max(0.1, min(5.0, self.deadline - time.monotonic())))
                 return None
             raise FetchError(f"hub refused plan of {self.held.model}@{self.held.version}: {exc}") from None

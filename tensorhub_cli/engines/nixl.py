@@ -15,9 +15,7 @@ Defaults, all measured on the 2-core CPU machines this was built on (nixl-cu13 1
   (CMA): 6.4–6.7 GB/s for a warm 256 MiB READ; ``UCX_TLS=tcp`` gave 0.8–0.9 GB/s on
   the same path. ``UCX_TLS=cma,self`` or ``sm,self`` fail to create the backend ("no
   active messages transport"), so we never narrow UCX_TLS ourselves.
-- Logging: the wrapper logs INFO lines to stdout, which would corrupt a host program's
-  output (``th ... --json``); we move its handler to stderr at WARNING unless
-  ``NIXL_LOG_LEVEL`` says otherwise.
+- Logging: the wrapper logs INFO lines to stdout; ``load_nixl`` moves them to stderr.
 - Metadata: ``describe`` returns partial agent metadata (the handle's regions plus
   connection info). Loading it again for a known agent adds the new regions (checked),
   so one remote agent per holder serves every version it publishes.
@@ -28,9 +26,7 @@ and the peer server's ``describe`` run on different threads.
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import threading
 
 import msgspec
@@ -41,22 +37,12 @@ from .nixl_shim import load_nixl
 _STATES = {"DONE": "done", "PROC": "pending"}
 
 
-def _quiet_nixl_logging() -> None:
-    logger = logging.getLogger("nixl")
-    for handler in logger.handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        logger.setLevel(logging.WARNING)
-
-
 class NixlEngine(Engine):
     kind = "nixl"
     needs_progress = True
 
     def __init__(self, name: str):
         nixl = load_nixl()
-        _quiet_nixl_logging()
         self._lock = threading.Lock()
         self._agent = nixl.nixl_agent(
             f"{name}.{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

@@ -9,7 +9,9 @@ for nodes that have more than one installed.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 from types import ModuleType
 
 CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
@@ -17,6 +19,18 @@ CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 class NixlUnavailable(ImportError):
     pass
+
+
+def _quiet_logging() -> None:
+    """NIXL's Python wrapper logs INFO lines to stdout, which corrupts a host program's
+    output (``th ... --json``, a runner's protocol): move them to stderr, at WARNING
+    unless ``NIXL_LOG_LEVEL`` asks for more."""
+    logger = logging.getLogger("nixl")
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.WARNING)
 
 
 def load_nixl() -> ModuleType:
@@ -35,5 +49,6 @@ def load_nixl() -> ModuleType:
         if not hasattr(module, "nixl_agent"):
             failures.append(f"{name}: has no nixl_agent")
             continue
+        _quiet_logging()
         return module
     raise NixlUnavailable("no NIXL API found (" + "; ".join(failures) + "); install nixl-cu13 or use engine: tcp")
