@@ -31,6 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
+import msgspec
+
 from ..engines import wire
 from ..engines.base import Engine
 from ..engines.tcp import Regions, TcpEngine
@@ -81,7 +83,7 @@ class Endpoint:
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served)
-        self.info = msgspec_replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode())
+        self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode())
         self._rpc = HubClient(hub, token, source=host)
         self._rpc_lock = threading.Lock()
         self.last_fetch: dict = {}
@@ -290,8 +292,3 @@ class Endpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def msgspec_replace(info: p.EndpointInfo, **changes) -> p.EndpointInfo:
-    import msgspec
-
-    return msgspec.structs.replace(info, **changes)

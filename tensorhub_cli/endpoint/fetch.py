@@ -107,7 +107,7 @@ class Fetch:
                 # Only hashing left to wait for: wake the moment a checksum is ready.
                 wait([f for _, f in self.verifying.values()], timeout=0.002, return_when=FIRST_COMPLETED)
             elif self.asked is not None and not self.inflight:
-                self._answer_wait(0.002)
+                self.client.reply_ready(0.002)  # nothing else to do: block briefly for the hub
             elif busy:
                 time.sleep(min(idle, 0.0005))
                 idle = min(idle * 1.5, 0.002)
@@ -127,10 +127,6 @@ class Fetch:
         if self.backoff:
             time.sleep(min(self.backoff, max(0.0, self.deadline - time.monotonic())))
         self.asked = (self.client.send(op), time.monotonic(), op)
-
-    def _answer_wait(self, timeout: float) -> None:
-        """Block briefly for the hub's reply (nothing else to do); ``_answer`` takes it."""
-        self.client.reply_ready(timeout)
 
     def _answer(self) -> p.Planned | None:
         rid, sent, op = self.asked
@@ -155,7 +151,7 @@ class Fetch:
         listed = {r.chunk: r.source for r in planned.reads}
         for chunk, (source, *_rest) in list(self.inflight.items()):
             if listed.get(chunk) != source:
-                self._abandon(chunk)  # the hub re-planned it: its source is gone
+                self._finish(chunk)  # the hub re-planned it: its source is gone
         sources = {s.name: s for s in planned.sources}
         unreported = {r.chunk for r in self.failed}
         for read in planned.reads:
@@ -202,7 +198,7 @@ class Fetch:
             if state == "pending":
                 if now - t0 > self.read_timeout:
                     self._warn(source, f"read of chunk {chunk} from {source} timed out after {now - t0:.1f}s")
-                    self._abandon(chunk)
+                    self._finish(chunk)
                     self._fail(chunk, source)
                     progressed = True
                 continue
@@ -246,9 +242,6 @@ class Fetch:
             self.ep._zombies.append((engine, xfer))
         with self.held.lock:
             self.held.reading.pop(chunk, None)
-
-    def _abandon(self, chunk: int) -> None:
-        self._finish(chunk)
 
     def _fail(self, chunk: int, source: str) -> None:
         self.stats["failed"] += 1

@@ -40,7 +40,7 @@ def dtype_name(t) -> str:
 
 
 def _device(t) -> int:
-    return t.device.index or 0 if t.device.type == "cuda" else -1
+    return (t.device.index or 0) if t.device.type == "cuda" else -1
 
 
 def _bytes(t):
@@ -195,7 +195,8 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
     problems = check_destination(shards, into)
     if problems:
         raise LayoutError("the destination does not match the manifest; nothing was written", problems)
-    device = _check_tensors(into)[1]
+    first = next(iter(into.values()), None)
+    device = _device(first) if first is not None else -1  # checked above: one device for all
     placed = Placed(views=[], regions=[], device=device)
     staged: list[tuple[int, int, int, p.Manifest]] = []  # (global chunk, start, end, shard)
     for m in shards:

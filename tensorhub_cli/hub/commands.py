@@ -27,7 +27,7 @@ class Commands:
                                    endpoint=endpoint, model=model, version=version, message=message))
 
     def sync(self, now: float, op: p.Sync) -> p.Synced:
-        from .state import HubFault, Send
+        from .state import HubFault, Send  # (state imports this mixin: import at call time)
 
         if (op.role is None) == (op.node is None):
             raise HubFault("malformed", "sync needs exactly one of role or node")

@@ -70,6 +70,7 @@ def test_publish_and_sync_name_what_is_wrong(cluster, tmp_path):  # noqa: F811
 def test_unpublishing_the_last_copy_makes_an_agent_pull_a_retained_one_first(cluster):  # noqa: F811
     name, _ = cluster
     trainer = rollout("trainer-0", name, "node1")
+    reader = rollout("rollout-0", name, "node2")
     try:
         trainer.ask("publish", model="policy", version=1, seed=12, mib=4, chunk_mib=1)
         trainer.ask("unpublish", model="policy", version=1, timeout=60)  # returns after the drain + the copy
@@ -79,11 +80,8 @@ def test_unpublishing_the_last_copy_makes_an_agent_pull_a_retained_one_first(clu
         assert v["state"] == "READY" and "trainer-0" not in holders
         agents = [h for n, h in holders.items() if n.startswith("agent-") and h["complete"] and h["reliable"]]
         assert agents, holders  # the retained copy lives in an agent's host memory now
-        reader = rollout("rollout-0", name, "node2")
-        workers = [reader]
         res = reader.ask("fetch", model="policy", seed=12, mib=4)
         assert res.get("version") == 1 and res["equal"], res  # and it serves readers
     finally:
         trainer.stop()
-        for w in locals().get("workers", []):
-            w.stop()
+        reader.stop()
