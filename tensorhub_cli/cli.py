@@ -70,16 +70,25 @@ def up(file: Path = typer.Argument(..., help="cluster YAML"),
 
 
 @app.command()
-def down(cluster: Optional[str] = ClusterOpt) -> None:
+def down(cluster: Optional[str] = ClusterOpt,
+         forget: bool = typer.Option(False, "--forget", help="drop the record even if some nodes cannot be reached "
+                                     "(their processes, if any, keep running)")) -> None:
     """Stop every process `th up` started for the cluster (by recorded PID, if still ours)."""
     from .launch.cluster import down as do_down
-    from .launch.state import pick_cluster
+    from .launch.state import clear_state, pick_cluster
 
     try:
         name = pick_cluster(cluster)
-        do_down(name, log=lambda line: out.print(line, highlight=False))
+        results = do_down(name, log=lambda line: out.print(line, highlight=False))
     except LookupError as exc:
         fail(f"th down: {exc.args[0]}", 2)
+    unknown = [f"{role}@{node}" for role, node, outcome in results if outcome.startswith("unknown")]
+    if unknown and forget:
+        clear_state(name)
+        out.print(f"forgot {', '.join(unknown)}: unreachable, not stopped")
+    elif unknown:
+        fail(f"th down: could not reach {', '.join(unknown)}; their state is kept: run `th down -c {name}` again "
+             "(or add --forget if those nodes are gone for good)", 1)
     out.print(f"cluster {name!r} is down")
 
 
@@ -115,26 +124,32 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C")) -> None:
     """Hub, nodes (alive, heartbeat age) and versions."""
     from .hub import protocol as p
-    from .launch.procs import is_ours
+    from .launch.cluster import processes_alive
+    from .launch.state import cluster_dir
     from .ui.status import render_status
 
     if watch:
         fail("th status --watch: not available yet", 3)
     name, state = _load_running(cluster)
     reply, problem = _ask_hub(name, state, p.Status())
-    alive = {r.pid: is_ours(r) for r in state.procs}
+    alive = processes_alive(name, state)
+    try:
+        places = {n.name: (n.rack, n.dc) for n in specmod.load(cluster_dir(name) / "spec.yaml").nodes()}
+    except specmod.SpecError:
+        places = {}
     if as_json:
         doc = {
             "cluster": name,
             "hub": {"address": state.hub_address, "reachable": reply is not None, "error": str(problem) if problem else None,
                     "pid": state.procs[0].pid if state.procs else None},
-            "processes": [{"role": r.role, "node": r.node, "pid": r.pid, "running": alive[r.pid], "log": r.log}
-                          for r in state.procs],
+            "processes": [{"role": r.role, "node": r.node, "rack": places.get(r.node, ("", ""))[0],
+                           "dc": places.get(r.node, ("", ""))[1], "pid": r.pid, "running": alive[(r.role, r.node)],
+                           "log": r.log} for r in state.procs],
             "status": msgspec.to_builtins(reply) if reply else None,
         }
         print(json.dumps(doc, indent=2))
     else:
-        render_status(out, state, reply, alive)
+        render_status(out, state, reply, alive, places)
         if problem:
             err.print(f"hub: {problem}", markup=False)
     if reply is None:
@@ -263,12 +278,17 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
           readers: str = typer.Option("1,2,4,8", help="fanout: reader counts"),
           reps: int = typer.Option(3, min=1, help="p2p: repetitions (medians are reported)"),
           window: int = typer.Option(0, min=0, help="p2p/fanout: reads in flight per reader (default 4 / 2)"),
-          engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp")) -> None:
+          engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp"),
+          testbed: bool = typer.Option(False, "--testbed", help="fanout: on an 8-node namespace testbed it builds "
+                                       "and removes (root; readers 1,3,7 by default)"),
+          node_gbps: Optional[float] = typer.Option(None, min=0.001, help="fanout --testbed: node link rate")) -> None:
     """Measure a workload and print JSON (ratios and latencies measured in one run)."""
     if workload not in BENCH_WORKLOADS:
         fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
-    if plot is not None:
+    if plot is not None and workload != "fanout":
         fail(f"th bench {workload}: --plot: this workload has no chart", 2)
+    if testbed and workload != "fanout":
+        fail(f"th bench {workload}: --testbed: only fanout runs on the testbed", 2)
     if planner not in ("ros", "star"):
         fail(f"th bench {workload}: --planner must be ros or star, got {planner!r}", 2)
     if engine not in ("nixl", "tcp"):
@@ -278,15 +298,33 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
         from .bench.rig import RigError
 
         if not as_json:
-            err.print(f"bench {workload}: starting processes on loopback …", highlight=False)
+            where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
+            err.print(f"bench {workload}: starting processes on {where} …", highlight=False)
         try:
             if workload == "p2p":
                 result = p2p.run(mib=mib or 256, reps=reps, window=window or 4, engine=engine)
+            elif testbed:
+                counts = _reader_counts("1,3,7" if readers == "1,2,4,8" else readers)
+                result = fanout.run_testbed(counts, mib=mib or 128, window=window or 4, engine=engine,
+                                            node_gbps=node_gbps)
             else:
                 result = fanout.run(_reader_counts(readers), mib=mib or 128, window=window or 2, engine=engine)
-        except (RigError, RuntimeError) as exc:
+        except (RigError, RuntimeError, ValueError) as exc:
             fail(f"th bench {workload}: {exc}", 1)
         print(json.dumps(result, indent=None if as_json else 2))
+        if workload == "fanout":
+            if not as_json:
+                from .ui.status import render_bench_fanout
+
+                render_bench_fanout(err, result)
+            if plot is not None:
+                from .ui import plot as charts
+
+                try:
+                    charts.fanout(result, plot)
+                except charts.PlotUnavailable as exc:
+                    fail(f"th bench fanout: {exc}", 1)
+                err.print(f"wrote {plot}", highlight=False)
         return
     from .bench import hub as hub_bench
 
@@ -307,33 +345,20 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
 
 @app.command()
 def logs(node: str = typer.Argument(..., help="node name, or 'hub'"), cluster: Optional[str] = ClusterOpt,
-         follow: bool = typer.Option(False, "--follow", "-f"), lines: int = typer.Option(50, "-n")) -> None:
-    """Print (or follow) the logs of the processes on NODE."""
+         follow: bool = typer.Option(False, "--follow", "-f"), lines: int = typer.Option(50, "-n", min=0)) -> None:
+    """Print (or follow) the logs of the processes on NODE (over ssh for ssh clusters)."""
+    from .launch.cluster import logs as node_logs
+    from .launch.ssh import SshError
+
     name, state = _load_running(cluster)
-    recs = [r for r in state.procs if r.node == node or r.role == node]
-    if not recs:
-        fail(f"th logs: no process on node {node!r} in cluster {name!r} "
-             f"(nodes: {', '.join(sorted({r.node for r in state.procs}))})", 2)
-    paths = [Path(r.log) for r in recs]
-    for path in paths:
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        for line in text[-lines:]:
-            print(f"{path.stem}: {line}")
-    if follow:
-        offsets = {p: p.stat().st_size if p.exists() else 0 for p in paths}
-        try:
-            while True:
-                for path in paths:
-                    if path.exists() and path.stat().st_size > offsets[path]:
-                        with open(path, errors="replace") as f:
-                            f.seek(offsets[path])
-                            chunk = f.read()
-                            offsets[path] = f.tell()
-                        for line in chunk.splitlines():
-                            print(f"{path.stem}: {line}", flush=True)
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
+    try:
+        node_logs(name, state, node, lines, follow, lambda text: print(text, end="", flush=True))
+    except LookupError as exc:
+        fail(f"th logs: {exc.args[0]}", 2)
+    except SshError as exc:
+        fail(f"th logs: {exc}", 1)
+    except KeyboardInterrupt:
+        pass
 
 
 def _not_yet(name: str, issue: str):

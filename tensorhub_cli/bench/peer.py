@@ -81,7 +81,7 @@ class Peer:
                 time.sleep(0.001)
 
         threading.Thread(target=progress, daemon=True).start()
-        server = socket.create_server(("127.0.0.1", 0))
+        server = socket.create_server((self.ep.host, 0))
 
         def serve() -> None:
             while True:
@@ -92,7 +92,7 @@ class Peer:
 
         threading.Thread(target=serve, daemon=True).start()
         return {"md": base64.b64encode(agent.get_agent_metadata()).decode(), "regions": regions,
-                "tcp": f"127.0.0.1:{server.getsockname()[1]}"}
+                "tcp": f"{self.ep.host}:{server.getsockname()[1]}"}
 
     def raw_nixl(self, md: str, regions: list, chunk_mib: float = 16) -> dict:
         agent = self._raw_agent()
@@ -133,12 +133,22 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--token", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--engine", default="nixl")
+    ap.add_argument("--host", default="127.0.0.1", help="the address we bind and send from (our node's)")
+    ap.add_argument("--node", default="local")
+    ap.add_argument("--rack", default="")
+    ap.add_argument("--dc", default="")
     return ap
+
+
+def connect_from(args, **extra):
+    """``connect`` with the flags of ``arguments``."""
+    return connect(hub=args.hub, token=args.token, name=args.name, engine=args.engine, host=args.host,
+                   node=args.node, rack=args.rack, dc=args.dc, **extra)
 
 
 def main() -> int:
     args = arguments().parse_args()
-    ep = connect(hub=args.hub, token=args.token, name=args.name, engine=args.engine, heartbeat_s=0.5)
+    ep = connect_from(args, heartbeat_s=0.5)
     peer = Peer(ep)
     print(json.dumps({"ready": True, "engine": ep.engine.kind}), flush=True)
     for line in sys.stdin:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from ..hub.client import HubUnreachable, wait_for_hub
-from ..launch.procs import stop_child
+from ..launch.procs import kill_child, stop_child
 
 
 class RigError(Exception):
@@ -34,16 +34,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextlib.contextmanager
-def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None):
-    """A hub process on loopback → (address, token)."""
+def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None, host: str = "127.0.0.1",
+        prefix: list[str] | None = None):
+    """A hub process → (address, token); on loopback, or at ``host`` through ``prefix``
+    (e.g. inside a testbed node, where the port is surely free)."""
     token = token or secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="th-rig-") as tmp:
         token_file = Path(tmp) / "token"
         token_file.write_text(token)
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = f"tcp://{host}:{free_port() if prefix is None else 7790}"
         log = open(Path(tmp) / "hub.log", "w+b")
-        proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", address, "--token-file",
-                                 str(token_file), "--expiry-s", str(expiry_s), "--planner", planner],
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "tensorhub_cli.hub", "--bind", address,
+                                 "--token-file", str(token_file), "--expiry-s", str(expiry_s), "--planner", planner],
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
             try:
@@ -60,12 +62,14 @@ def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None):
 class Driven:
     """A child process that reads JSON lines on stdin and answers each with one line;
     its first line is a greeting. stderr goes to a temp file (a pipe nobody drains
-    would block a chatty child)."""
+    would block a chatty child). ``prefix`` runs it elsewhere, e.g. inside a testbed
+    node (``nsenter …``)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
+                 prefix: list[str] | None = None):
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"th-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, *argv], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env={**os.environ, **(env or {})})
         self._lines: queue.Queue = queue.Queue()
         self._hello: dict | None = None  # read on first use, so that children start in parallel
@@ -116,8 +120,7 @@ class Driven:
         return reply
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
+        kill_child(self.proc)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

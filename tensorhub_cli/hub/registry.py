@@ -61,6 +61,7 @@ class Version:
     # reads in flight: reader -> {chunk: source}; pins: source -> count
     reads: dict[str, dict[int, str]] = field(default_factory=dict)
     pins: dict[str, int] = field(default_factory=dict)
+    serving: dict[str, dict[int, int]] = field(default_factory=dict)  # source -> {chunk: readers}
     seeds: dict[str, str] = field(default_factory=dict)  # dc -> the reader pulling across the DC link
     pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
     draining: set[str] = field(default_factory=set)  # replicas waiting for their pins to drain
@@ -126,6 +127,8 @@ class Version:
     def pin(self, reader: str, chunk: int, source: str) -> None:
         self.reads.setdefault(reader, {})[chunk] = source
         self.pins[source] = self.pins.get(source, 0) + 1
+        chunks = self.serving.setdefault(source, {})
+        chunks[chunk] = chunks.get(chunk, 0) + 1
 
     def unpin(self, reader: str, chunk: int) -> str | None:
         reads = self.reads.get(reader)
@@ -139,7 +142,21 @@ class Version:
             self.pins[source] = left
         else:
             del self.pins[source]
+        chunks = self.serving[source]
+        if chunks[chunk] > 1:
+            chunks[chunk] -= 1
+        else:
+            del chunks[chunk]
+            if not chunks:
+                del self.serving[source]
         return source
+
+    def serving_mask(self, source: str) -> int:
+        """The chunks ``source`` is sending to some reader right now."""
+        mask = 0
+        for chunk in self.serving.get(source, ()):
+            mask |= 1 << chunk
+        return mask
 
     def held_bytes(self, held: int) -> int:
         return sum(n * (held & mask).bit_count() for n, mask in self.size_masks.items())

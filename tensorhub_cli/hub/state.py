@@ -83,6 +83,11 @@ class HubConfig:
     policies: dict[str, Policy] = field(default_factory=dict)
     default_policy: Policy = Policy()
     max_window: int = 1024
+    # ROS planner: reads one source serves at once (all versions) once more than one
+    # reader uses it. A source that splits its link over many readers finishes every
+    # chunk late, and so delays the relaying that makes fan-out flat; readers it turns
+    # away read from peers. A source with one reader is not capped: its window rules.
+    max_reads_per_source: int = 4
 
 
 class Hub(Commands):
@@ -389,12 +394,14 @@ class Hub(Commands):
             assigned |= 1 << chunk
         window = max(1, min(op.window, self.config.max_window))
         needed = v.full & ~rep.held & ~assigned
+        busy_held = [0]  # needed chunks only busy holders have: filled by _levels, level by level
         result = choose(
             needed=needed,
             start=zlib.crc32(op.name.encode()) % v.nchunks,
             limit=window - len(reads),
-            levels=self._levels(now, v, reader, needed),
+            levels=self._levels(now, v, reader, needed, busy_held),
             may_cross=self._may_cross(v, reader),
+            deferred=lambda: busy_held[0],
         )
         planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
         relayed = 0  # reads served by readers, not publishers: pipelined replication at work
@@ -446,7 +453,7 @@ class Hub(Commands):
             return True
         return False
 
-    def _levels(self, now: float, v: Version, reader: Endpoint, needed: int):
+    def _levels(self, now: float, v: Version, reader: Endpoint, needed: int, busy_held: list[int]):
         """Candidates for ``reader`` one topology level at a time, each built only when
         the planner asks for it. Levels 0–2 walk the version's holders in the reader's
         node, rack and DC (``Version.near``), so a plan does not scan the cluster; a
@@ -457,7 +464,10 @@ class Hub(Commands):
         here = reader.place
         keys = groups(here)
         replicas, endpoints, load = v.replicas, self.endpoints, self.load
-        expiry, me = self.config.expiry_s, reader.name
+        expiry, me, cap = self.config.expiry_s, reader.name, self.config.max_reads_per_source
+        mine: dict[str, int] = {}  # this reader's own reads in flight, per source
+        for source in v.reads.get(me, {}).values():
+            mine[source] = mine.get(source, 0) + 1
         # Draining replicas take no new reads, except the retention copy of themselves.
         closed = () if retention_pull else v.draining
 
@@ -473,7 +483,25 @@ class Hub(Commands):
                 ep = endpoints.get(name)
                 if ep is None or now - ep.last_seen > expiry:
                     continue
-                yield Candidate(name, rep.held, n, load.get(name, 0), name in avoid)
+                busy = load.get(name, 0)
+                if star:
+                    yield Candidate(name, rep.held, n, busy, name in avoid)
+                    continue
+                room = 1 << 30  # a source nobody else reads from: the reader's window decides
+                if busy > mine.get(name, 0):
+                    if busy >= cap:
+                        busy_held[0] |= rep.held & needed
+                        continue
+                    room = cap - busy
+                # A chunk this source is already sending to another reader will be
+                # at that reader soon: fetch it from there, so it leaves here once.
+                held = rep.held
+                if name in v.serving:
+                    sending = v.serving_mask(name)
+                    busy_held[0] |= held & sending & needed
+                    held &= ~sending
+                if held & needed:
+                    yield Candidate(name, held, n, busy, name in avoid, rep.rank >= 0, room)
 
         if star:  # the baseline: publishers only, topology ignored
             yield 0, gather(0, replicas)

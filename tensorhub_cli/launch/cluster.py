@@ -1,24 +1,26 @@
 """Bring a cluster up and down, whatever the launcher.
 
 Protocol of ``up``: validate → refuse if already running (changing nothing) → preflight
-→ write token and spec copy → start the hub → start one agent per node → wait until
-every agent has registered. Each start is recorded in ``state.json`` before the next
-begins. Any failure tears down exactly what was started and raises ``UpError`` with the
-reason (missing nodes with their log tails). ``down`` stops the recorded processes
+(every node reachable and able to run us) → write token and spec copy → start the hub
+→ start one agent per node, through a bounded pool → wait until every agent has
+registered. Each start is recorded in ``state.json`` as it returns. Any failure tears
+down exactly what was started and raises ``UpError`` with the reason (per node: ssh
+errors, or the log tail of an agent that died). ``down`` stops the recorded processes
 that are still ours, agents first so they can deregister, then the hub.
 """
 
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
-from ..spec import ClusterSpec, resolve_path
+from ..spec import ClusterSpec, load, resolve_path
 from .local import LocalLauncher
-from .procs import log_tail
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
 
 
@@ -30,11 +32,15 @@ class AlreadyRunning(Exception):
     pass
 
 
-def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path):
+def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_timeout: float | None = None):
     """``spec`` may be None when only stopping recorded processes."""
     if kind == "local":
         return LocalLauncher(spec, state_dir)
-    raise UpError(f"launcher {kind!r} is not available yet (it lands with the testbed issue)")
+    if kind == "ssh":
+        from .ssh import SshLauncher
+
+        return SshLauncher(spec or load(state_dir / "spec.yaml"), state_dir, connect_timeout)
+    raise UpError(f"launcher {kind!r} is unknown (known: local, ssh)")
 
 
 def running_procs(state: ClusterState, launcher) -> list[str]:
@@ -51,21 +57,28 @@ def _token(spec: ClusterSpec, spec_path: Path) -> str | None:
 
 def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> ClusterState:
     d = cluster_dir(spec.name)
+    from .ssh import SshError
+
     launcher = launcher_for(spec.launcher, spec, d)
-    old = read_state(spec.name)
-    if old is not None:
-        alive = running_procs(old, launcher)
-        if alive:
-            raise AlreadyRunning(f"cluster {spec.name!r} is already running: {', '.join(alive)}")
-        log(f"cluster {spec.name!r}: clearing stale state of a cluster that is no longer running")
-        clear_state(spec.name)
-    problems = launcher.preflight()
+    try:
+        old = read_state(spec.name)
+        if old is not None:
+            alive = running_procs(old, launcher)
+            if alive:
+                raise AlreadyRunning(f"cluster {spec.name!r} is already running: {', '.join(alive)}")
+            log(f"cluster {spec.name!r}: clearing stale state of a cluster that is no longer running")
+            clear_state(spec.name)
+        problems = launcher.preflight()
+    except SshError as exc:
+        raise UpError(f"cannot check the old cluster's processes: {exc}; run `th down -c {spec.name}`") from None
+    finally:
+        launcher.close()
     if problems:
         raise UpError("\n".join(problems))
 
     d.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(spec_path, d / "spec.yaml")
-    token_file = write_token(spec.name, _token(spec, spec_path))
+    write_token(spec.name, _token(spec, spec_path))
     hub_node = spec.node(spec.hub.node)
     state = ClusterState(
         cluster=spec.name,
@@ -77,8 +90,9 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
         expiry_s=spec.hub.expiry_s,
     )
     try:
-        hub_args = ["--bind", state.hub_address, "--token-file", str(token_file), "--cluster", spec.name,
-                    "--expiry-s", str(spec.hub.expiry_s)]
+        token = read_token(spec.name)
+        hub_args = ["--bind", state.hub_address, "--token-file", launcher.token_path(hub_node, token),
+                    "--cluster", spec.name, "--expiry-s", str(spec.hub.expiry_s)]
         if spec.hub.metrics_port:
             hub_args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
         for m in spec.models:
@@ -86,18 +100,33 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
         state.procs.append(launcher.start(hub_node, "hub", "tensorhub_cli.hub", hub_args))
         write_state(state)
         log(f"hub     {hub_node.name:<12} {state.hub_address}")
-        for node in spec.nodes():
-            args = ["--hub", state.hub_address, "--token-file", str(token_file), "--node", node.name,
+        lock = threading.Lock()
+
+        def start_agent(node) -> None:
+            args = ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--node", node.name,
                     "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
                     "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine] + (
                         ["--spot"] if node.spec.spot else [])
-            state.procs.append(launcher.start(node, "agent", "tensorhub_cli.agent", args))
-            write_state(state)
-            log(f"agent   {node.name:<12} {node.spec.address}")
+            rec = launcher.start(node, "agent", "tensorhub_cli.agent", args)
+            with lock:
+                state.procs.append(rec)
+                write_state(state)
+            log(f"agent   {node.name:<12} {node.spec.address:<15} {node.rack}/{node.dc}")
+
+        with ThreadPoolExecutor(max(1, min(launcher.parallel, len(spec.nodes())))) as pool:
+            futures = [pool.submit(start_agent, node) for node in spec.nodes()]
+            problems = [str(f.exception()) for f in futures if f.exception() is not None]
+        if problems:
+            raise UpError("\n".join(problems))
         wait_registered(spec, state, launcher, timeout)
+    except SshError as exc:
+        down_state(state, launcher, log=lambda *_: None)
+        raise UpError(str(exc)) from None
     except BaseException:
         down_state(state, launcher, log=lambda *_: None)
         raise
+    finally:
+        launcher.close()
     return state
 
 
@@ -106,11 +135,14 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
     client = HubClient(state.hub_address, read_token(spec.name))
     deadline = time.monotonic() + timeout
     missing = set(want)
+    next_check = 0.0
     try:
         while time.monotonic() < deadline:
             hub = state.procs[0]
-            if not launcher.alive(hub):
-                raise UpError(f"hub exited during start-up; its log ends:\n{log_tail(hub.log)}")
+            if time.monotonic() >= next_check:  # over ssh each check is a round trip
+                next_check = time.monotonic() + 1.0
+                if not launcher.alive(hub):
+                    raise UpError(f"hub exited during start-up; its log ends:\n{launcher.log_tail(hub)}")
             try:
                 status = client.call(p.Status(), timeout=1.0)
                 missing = set(want) - {e.name for e in status.endpoints if e.alive}
@@ -125,17 +157,29 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
              + ", ".join(sorted(want[m] for m in missing))]
     for rec in state.procs:
         if f"agent-{rec.node}" in missing:
-            lines.append(f"--- {rec.node} ({rec.log}):\n{log_tail(rec.log)}")
+            state_word = "running" if launcher.alive(rec) else "exited"
+            lines.append(f"--- {rec.node} agent ({state_word}; {rec.log}):\n{launcher.log_tail(rec)}")
     raise UpError("\n".join(lines))
 
 
 def down_state(state: ClusterState, launcher, log=print) -> list[tuple[str, str, str]]:
+    """Agents first (in parallel, so they can deregister while the hub is up), then the hub."""
+    agents = [r for r in state.procs if r.role != "hub"]
+    hubs = [r for r in state.procs if r.role == "hub"]
     results = []
-    for rec in sorted(state.procs, key=lambda r: r.role == "hub"):
-        outcome = launcher.stop(rec)
-        results.append((rec.role, rec.node, outcome))
-        log(f"{rec.role:<7} {rec.node:<12} {outcome}")
-    clear_state(state.cluster)
+    try:
+        for batch in (agents, hubs):
+            if not batch:
+                continue
+            with ThreadPoolExecutor(max(1, min(launcher.parallel, len(batch)))) as pool:
+                outcomes = list(pool.map(launcher.stop, batch))
+            for rec, outcome in zip(batch, outcomes):
+                results.append((rec.role, rec.node, outcome))
+                log(f"{rec.role:<7} {rec.node:<12} {outcome}")
+    finally:
+        launcher.close()
+    if all(not outcome.startswith("unknown") for *_, outcome in results):
+        clear_state(state.cluster)
     return results
 
 
@@ -144,3 +188,58 @@ def down(name: str, log=print) -> list[tuple[str, str, str]]:
     if state is None:
         raise LookupError(f"cluster {name!r} is not running (no state under {cluster_dir(name)})")
     return down_state(state, launcher_for(state.launcher, None, cluster_dir(name)), log=log)
+
+
+def processes_alive(name: str, state: ClusterState) -> dict[tuple[str, str], bool | None]:
+    """(role, node) → is the recorded process still ours; None when it cannot be told
+    (its node unreachable). Checked in parallel: over ssh each is a round trip, and an
+    unreachable node costs at most 3 s, not the spec's full connect timeout."""
+    from .ssh import SshError
+
+    launcher = launcher_for(state.launcher, None, cluster_dir(name), connect_timeout=3.0)
+
+    def check(rec) -> bool | None:
+        try:
+            return launcher.alive(rec)
+        except SshError:
+            return None
+
+    try:
+        with ThreadPoolExecutor(max(1, min(launcher.parallel, len(state.procs) or 1))) as pool:
+            return dict(zip(((r.role, r.node) for r in state.procs), pool.map(check, state.procs)))
+    finally:
+        launcher.close()
+
+
+def logs(name: str, state: ClusterState, node: str, lines: int, follow: bool, write) -> None:
+    """Write the logs of the processes on ``node`` (or of role ``node``, e.g. ``hub``)."""
+    recs = [r for r in state.procs if r.node == node or r.role == node]
+    if not recs:
+        raise LookupError(f"no process on node {node!r} in cluster {name!r} "
+                          f"(nodes: {', '.join(sorted({r.node for r in state.procs}))})")
+    launcher = launcher_for(state.launcher, None, cluster_dir(name))
+    try:
+        if follow and len(recs) > 1:  # one stream each, interleaved as lines arrive
+            threads = [threading.Thread(target=launcher.logs, daemon=True,
+                                        args=(r, lines, True, _prefixed(write, f"{r.role}-{r.node}")))
+                       for r in recs]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                time.sleep(0.2)
+        else:
+            for r in recs:
+                launcher.logs(r, lines, follow, _prefixed(write, f"{r.role}-{r.node}"))
+    finally:
+        launcher.close()
+
+
+def _prefixed(write, label: str):
+    partial = [""]
+
+    def emit(text: str) -> None:
+        *done, partial[0] = (partial[0] + text).split("\n")
+        for line in done:
+            write(f"{label}: {line}\n")
+
+    return emit

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ..spec import ClusterSpec, PlacedNode
-from .procs import ProcRecord, is_ours, spawn, stop
+from .procs import ProcRecord, is_ours, log_tail, spawn, stop
 
 
 class LocalLauncher:
+    parallel = 4
+
     def __init__(self, spec: ClusterSpec | None, state_dir: Path):
         self.spec = spec
         self.state_dir = state_dir
@@ -37,6 +40,9 @@ class LocalLauncher:
                     problems.append(f"{what}: cannot bind {hub.spec.address}:{port}: {exc.strerror}")
         return problems
 
+    def token_path(self, node: PlacedNode, token: str) -> str:
+        return str(self.state_dir / "token")  # written by `up`; every process here shares it
+
     def start(self, node: PlacedNode, role: str, module: str, args: list[str]) -> ProcRecord:
         argv = [self._python(node), "-m", module, *args]
         log = self.state_dir / "logs" / f"{role}-{node.name}.log"
@@ -47,3 +53,24 @@ class LocalLauncher:
 
     def stop(self, rec: ProcRecord) -> str:
         return stop(rec)
+
+    def log_tail(self, rec: ProcRecord, lines: int = 8) -> str:
+        return log_tail(rec.log, lines)
+
+    def logs(self, rec: ProcRecord, lines: int, follow: bool, write) -> None:
+        path = Path(rec.log)
+        text = path.read_text(errors="replace").splitlines(keepends=True) if path.exists() else []
+        write("".join(text[-lines:]))
+        if not follow:
+            return
+        offset = path.stat().st_size if path.exists() else 0
+        while True:
+            if path.exists() and path.stat().st_size > offset:
+                with open(path, errors="replace") as f:
+                    f.seek(offset)
+                    write(f.read())
+                    offset = f.tell()
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        pass

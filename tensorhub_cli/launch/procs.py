@@ -8,6 +8,7 @@ been reused by anything else, and ``stop`` can never signal a stranger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,14 +27,24 @@ class ProcRecord(msgspec.Struct):
     log: str
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat (index 0 is field 3), or None if no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
+def stat_fields(stat: str) -> list[str]:
+    """Fields 3.. of a /proc/PID/stat line (index 0 is field 3: the state)."""
     # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
     return stat[stat.rindex(")") + 2 :].split()
+
+
+def matches(rec: "ProcRecord", stat: str, cmdline: str) -> bool:
+    """Is the process whose /proc stat and cmdline these are the one ``rec`` names?"""
+    fields = stat_fields(stat)
+    return int(fields[19]) == rec.starttime and rec.marker in cmdline and fields[0] != "Z"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat, or None if no such process."""
+    try:
+        return stat_fields(Path(f"/proc/{pid}/stat").read_text())
+    except OSError:
+        return None
 
 
 def _starttime(pid: int) -> int | None:
@@ -56,17 +67,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2] == "Z"
-
-
 def is_ours(rec: ProcRecord) -> bool:
-    start = _starttime(rec.pid)
-    return start is not None and start == rec.starttime and rec.marker in _cmdline(rec.pid) and not _is_zombie(rec.pid)
+    try:
+        stat = Path(f"/proc/{rec.pid}/stat").read_text()
+    except OSError:
+        return False
+    return matches(rec, stat, _cmdline(rec.pid))
 
 
 def spawn(role: str, node: str, argv: list[str], log: Path, marker: str, env: dict[str, str] | None = None) -> ProcRecord:
@@ -110,16 +116,36 @@ def stop(rec: ProcRecord, timeout: float = 5.0) -> str:
     return "would not die"
 
 
+def inner_pid(proc: subprocess.Popen) -> int:
+    """The process that does the work: ``proc`` itself, or, when ``proc`` is an
+    ``nsenter --pid`` (which forks the command into the target's PID namespace and
+    forwards no signals), its one child. Signal this, then wait for ``proc``."""
+    try:
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return proc.pid
+    is_nsenter = Path(f"/proc/{proc.pid}/comm").read_text().strip() == "nsenter" if kids else False
+    return int(kids[0]) if is_nsenter else proc.pid
+
+
+def kill_child(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGKILL a child we hold (through ``nsenter`` if it is one) and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(inner_pid(proc), signal.SIGKILL)
+        proc.wait(timeout=timeout)
+
+
 def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """Stop a child this process started and still holds (so its PID cannot have been
     reused): SIGTERM, SIGKILL after ``timeout``, and reap it."""
     if proc.poll() is None:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(inner_pid(proc), signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
+            kill_child(proc, timeout)
 
 
 def _reap(pid: int) -> None:

@@ -7,7 +7,8 @@ reads in flight from a source, counted as they are assigned, so one plan call al
 spreads its chunks over equally cheap sources.
 
 Assignment is greedy by source, not by chunk: the best candidate (trusted before
-suspect, cheapest level, least load) takes the next unassigned chunk it holds, so
+suspect, cheapest level, least load) takes the next unassigned chunk it holds, one
+no other candidate holds first (rarest first), so
 chunks cheap sources have go first and a chunk only a dear source has waits its turn
 (a nearer partial holder may have it by the next plan). Each source's pick starts at
 a per-reader offset (``start``), so readers that begin together fetch different
@@ -42,18 +43,23 @@ def groups(place: Place) -> tuple[tuple, ...]:
 
 @dataclass(slots=True)
 class Candidate:
-    """A holder a reader may read from. Better first: trusted, cheaper level, less load,
-    then name (so plans are deterministic); ``_rank`` is that order."""
+    """A holder a reader may read from. Better first: trusted, cheaper level, not a
+    publisher, less load, then name (so plans are deterministic); ``_rank`` is that order."""
 
     name: str
     held: int
     level: int
     load: int
     suspect: bool = False  # failed this reader before: used only when nothing else holds the chunk
+    # A publisher (a trainer rank): at equal cost a reader that holds the chunk goes
+    # first, so the publisher's link carries fresh chunks and the trainer is not the
+    # one feeding every reader.
+    publisher: bool = False
+    room: int = 1 << 30  # reads it may still take on (the hub's per-source cap)
 
 
 def _rank(c: Candidate, i: int) -> tuple:
-    return (c.suspect, c.level, c.load, c.name, i)
+    return (c.suspect, c.level, c.publisher, c.load, c.name, i)
 
 
 @dataclass
@@ -67,7 +73,7 @@ class PlanResult:
 
 
 def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iterable[Candidate]]],
-           may_cross: bool) -> PlanResult:
+           may_cross: bool, deferred=lambda: 0) -> PlanResult:
     """Assign up to ``limit`` chunks of ``needed`` (a bitset) to candidates.
 
     ``levels`` yields ``(level, candidates)`` cheapest level first, and is consumed only
@@ -75,6 +81,11 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     chunks. A dearer source is only ever popped once no cheaper one holds a chunk still
     unassigned, so the levels not built cannot change the result; that keeps a plan's
     cost near the size of the reader's own rack, not of the cluster.
+
+    ``deferred()`` is the mask of needed chunks that holders at the levels consumed so
+    far have but cannot serve now (busy): those chunks wait for them and are never
+    taken from a dearer level, so a busy cheap source never sends a read across a
+    costlier link (contract 8: cost before load).
     """
     if limit <= 0 or not needed:
         return PlanResult()
@@ -86,7 +97,15 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     for level, candidates in levels:
         if level == REMOTE and not may_cross:
             break
+        block = deferred()
+        if (needed & (covered | block)).bit_count() >= enough and ranked:
+            exhausted = False
+            break
         for cand in candidates:
+            if block:
+                cand.held &= ~block
+                if not cand.held & needed:
+                    continue
             if cand.suspect:
                 suspects.append(cand)
             else:
@@ -100,21 +119,40 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
         for cand in suspects:
             covered |= cand.held
     result = PlanResult(waiting=(needed & ~covered).bit_count() if exhausted else 0)
+    # Chunks two or more candidates hold. A source first gives what only it has
+    # (rarest first): a publisher then sends fresh chunks while readers relay the ones
+    # they already hold, instead of the publisher sending those a second time.
+    once = shared = 0
+    for cand in ranked:
+        shared |= once & cand.held
+        once |= cand.held
     # Greedy by source: the cheapest, least-loaded candidate takes the next chunk it
     # holds that is still unassigned, its load grows by one, and it goes back in line.
     heap = [_rank(c, i) for i, c in enumerate(ranked)]
     heapq.heapify(heap)
     left = needed
+    # Chunks a candidate still holds when its room runs out wait for it: a dearer
+    # level may not take them (cost before load, as for ``deferred``).
+    reserved = [0] * (REMOTE + 1)
     while heap and left and len(result.assigned) < limit:
         *_, i = heapq.heappop(heap)
         cand = ranked[i]
-        chunk = first_bit(left & cand.held, start)
+        mine = left & cand.held
+        for cheaper in range(cand.level):
+            mine &= ~reserved[cheaper]
+        chunk = first_bit(mine & ~shared, start)
+        if chunk < 0:
+            chunk = first_bit(mine, start)
         if chunk < 0:
             continue  # holds nothing still needed: out of line for good
         left &= ~(1 << chunk)
         result.assigned.append((chunk, cand.name, cand.level))
         cand.load += 1
-        heapq.heappush(heap, _rank(cand, i))
+        cand.room -= 1
+        if cand.room > 0:
+            heapq.heappush(heap, _rank(cand, i))
+        else:
+            reserved[cand.level] |= cand.held & left
     return result
 
 

@@ -13,7 +13,13 @@ def _age(s: float) -> str:
     return f"{s:.1f}s"
 
 
-def render_status(console: Console, state: ClusterState, status: p.StatusReply | None, alive: dict[int, bool]) -> None:
+def _running(value: bool | None) -> str:
+    return "" if value else (" (unreachable)" if value is None else " (gone)")
+
+
+def render_status(console: Console, state: ClusterState, status: p.StatusReply | None,
+                  alive: dict[tuple[str, str], bool | None], places: dict[str, tuple[str, str]]) -> None:
+    """``alive``: (role, node) → process running (None: cannot tell); ``places``: node → (rack, dc)."""
     hub_rec = next((r for r in state.procs if r.role == "hub"), None)
     hub_line = f"[bold]{state.cluster}[/]  hub {state.hub_address}"
     if status is None:
@@ -21,20 +27,23 @@ def render_status(console: Console, state: ClusterState, status: p.StatusReply |
     else:
         hub_line += f"  [green]up[/] {_age(status.uptime_s)}"
     if hub_rec is not None:
-        hub_line += f"  pid {hub_rec.pid}" + ("" if alive.get(hub_rec.pid) else " [red](not running)[/]")
+        hub_line += f"  pid {hub_rec.pid} on {hub_rec.node}" + _running(alive.get(("hub", hub_rec.node)))
     console.print(hub_line)
 
     seen = {e.name: e for e in status.endpoints} if status else {}
-    nodes = Table("node", "agent", "alive", "heartbeat", "pid", title="nodes", title_justify="left")
+    nodes = Table("node", "rack", "dc", "agent", "alive", "heartbeat", "pid", title="nodes", title_justify="left")
     for rec in (r for r in state.procs if r.role == "agent"):
         ep = seen.get(f"agent-{rec.node}")
         ok = bool(ep and ep.alive)
+        rack, dc = places.get(rec.node, ("-", "-"))
         nodes.add_row(
             rec.node,
+            rack,
+            dc,
             f"agent-{rec.node}",
             "[green]yes[/]" if ok else "[red]no[/]",
             _age(ep.heartbeat_age_s) if ep else "-",
-            f"{rec.pid}" + ("" if alive.get(rec.pid) else " (gone)"),
+            f"{rec.pid}" + _running(alive.get(("agent", rec.node))),
         )
     console.print(nodes)
     others = [e for e in (status.endpoints if status else []) if e.kind != "agent"]
@@ -74,4 +83,18 @@ def render_bench_hub(console: Console, r: dict) -> None:
         ph = r[phase]
         t.add_row(phase, str(ph["depth"]), f"{ph['ops_per_s']:.0f}", f"{ph['plan_p50_ms']:.2f}",
                   f"{ph['plan_p99_ms']:.2f}", f"{ph['hub_cpu_util']:.0%}")
+    console.print(t)
+
+
+def render_bench_fanout(console: Console, r: dict) -> None:
+    """The fan-out rows as a table; with ``bound_s`` (testbed) also each time ÷ S/B."""
+    bounded = "bound_s" in r["rows"][0]
+    cols = ["readers", "ours s", "star s", "star ÷ ours"] + (["S/B s", "ours ÷ S/B", "star ÷ S/B"] if bounded else [])
+    t = Table(*cols, title=f"fan-out of {r['bytes'] / 2**20:.0f} MiB ({r['engine']}): targets "
+              f"{'met' if r['target_met'] else 'missed'}", title_justify="left")
+    for row in r["rows"]:
+        cells = [str(row["readers"]), f"{row['ours_s']:.2f}", f"{row['star_s']:.2f}", f"{row['star_vs_ours']:.2f}"]
+        if bounded:
+            cells += [f"{row['bound_s']:.2f}", f"{row['ours_vs_bound']:.2f}", f"{row['star_vs_bound']:.2f}"]
+        t.add_row(*cells)
     console.print(t)

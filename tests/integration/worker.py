@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from tensorhub_cli import connect
-from tensorhub_cli.bench.peer import arguments
+from tensorhub_cli.bench.peer import arguments, connect_from
 
 
 def make(seed: int, mib: float, small: int = 6) -> dict[str, torch.Tensor]:
@@ -31,15 +31,13 @@ def make(seed: int, mib: float, small: int = 6) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     ap = arguments()
-    ap.add_argument("--node", default="local")
     ap.add_argument("--cluster", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.cluster:
         ep = connect(cluster=args.cluster, name=args.name, node=args.node, role="rollout")
     else:
-        ep = connect(hub=args.hub, token=args.token, name=args.name, node=args.node, engine=args.engine,
-                     heartbeat_s=0.2)
+        ep = connect_from(args, heartbeat_s=0.2)
     tensors: dict = {}
     print(json.dumps({"ready": True, "engine": ep.engine.kind}), flush=True)
     for line in sys.stdin:

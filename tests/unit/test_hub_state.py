@@ -105,17 +105,39 @@ def test_plan_prefers_node_then_rack_then_dc_then_remote_then_load():
     del m
 
 
-def test_plan_spreads_equal_cost_reads_by_load():
+def _per_source(plan) -> dict[str, int]:
+    per: dict[str, int] = {}
+    for r in plan.reads:
+        per[r.source] = per.get(r.source, 0) + 1
+    return per
+
+
+def test_plan_spreads_equal_cost_reads_over_relays_and_spares_the_publisher():
     hub = new_hub()
     reg(hub, 0, info("t", node="n0"), *[info(f"h{i}", node=f"n{i + 1}") for i in range(4)], info("r", node="n9"))
     publish(hub, 0, "t", 1, manifest(16))
     for i in range(4):
         fetch_all(hub, 0, f"h{i}", "policy", 1)
-    plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=10))
-    per = {}
-    for r in plan.reads:
-        per[r.source] = per.get(r.source, 0) + 1
-    assert len(plan.reads) == 10 and max(per.values()) - min(per.values()) <= 1 and len(per) == 5
+    per = _per_source(hub.plan(0, p.Plan(name="r", model="policy", version=1, window=10)))
+    assert sum(per.values()) == 10 and "t" not in per and len(per) == 4
+    assert max(per.values()) - min(per.values()) <= 1
+
+
+def test_a_shared_source_serves_at_most_its_cap_and_each_chunk_to_one_reader_at_a_time():
+    hub = new_hub()  # max_reads_per_source = 4
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n2"))
+    publish(hub, 0, "t", 1, manifest(16))
+    first = hub.plan(0, p.Plan(name="a", model="policy", version=1, window=8))
+    assert _per_source(first) == {"t": 8}  # alone on t: the window decides, not the cap
+    # t is past its cap for anyone else: b gets nothing and waits, rather than read twice from t
+    assert hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8)).reads == []
+    done = [r.chunk for r in first.reads[:6]]
+    hub.progress(0, p.Progress(name="a", model="policy", version=1, chunks=done))
+    second = hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8))
+    from_t = {r.chunk for r in second.reads if r.source == "t"}
+    assert {r.chunk for r in second.reads if r.source == "a"} == set(done)  # relayed, not re-sent by t
+    assert len(from_t) == 2  # t serves 2 for a still: 2 more fill its cap of 4
+    assert not from_t & {r.chunk for r in first.reads[6:]} and not from_t & set(done)
 
 
 def test_never_plans_self_draining_or_expired():
@@ -258,6 +280,7 @@ def test_expired_holder_masks_failure_then_unavailable_then_back():
     publish(hub, 0, "t", 1, manifest(4))
     hub.plan(0, p.Plan(name="a", model="policy", version=1, window=4))
     hub.progress(0, p.Progress(name="a", model="policy", version=1, chunks=[0, 1]))
+    hub.cancel(0, p.Cancel(name="a", model="policy", version=1))  # t sends 2, 3 to nobody now
     plan = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4))
     assert any(r.source == "t" for r in plan.reads)
     for n in ("a", "r"):
@@ -367,3 +390,19 @@ def test_second_live_process_cannot_take_a_name():
     reg(hub, 0, info("t", pid=1))
     with pytest.raises(HubFault, match="held by a live endpoint"):
         hub.register(1, p.Register(info=info("t", pid=2)))
+
+
+def test_a_busy_near_holder_makes_a_reader_wait_not_cross_to_a_dearer_level():
+    """Contract 8 with the per-source cap: cost before load, even when the cheap
+    holder is full. h (same DC as r) is at its cap serving s1, s2; x in another DC
+    holds the same chunks and is idle; r must get nothing from x."""
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0", dc="west"), info("x", node="n1", dc="west"),
+        info("h", node="n2", rack="r2"), info("s1", node="n3"), info("s2", node="n4"), info("r", node="n5"))
+    publish(hub, 0, "t", 1, manifest(8))
+    fetch_all(hub, 0, "x", "policy", 1)
+    fetch_all(hub, 0, "h", "policy", 1)
+    hub.plan(0, p.Plan(name="s1", model="policy", version=1, window=2))
+    hub.plan(0, p.Plan(name="s2", model="policy", version=1, window=2))
+    assert hub.load["h"] == 4  # its cap, shared by two readers
+    assert hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4)).reads == []

@@ -1,0 +1,1 @@
+"""The network-namespace testbed behind ``scripts/testbed`` (see ``main``)."""

@@ -1,0 +1,115 @@
+"""Benchmarks and tests on the network-namespace testbed (``scripts/testbed``).
+
+``testbed(n, ...)`` brings one up (root only), yields its recorded state and always
+tears it down, also after a failure. ``Site`` says where a process of a benchmark
+runs: on loopback, or inside a testbed node through ``nsenter`` with the node's
+address, rack and DC as its endpoint's place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "testbed"
+
+
+class TestbedError(RuntimeError):
+    pass
+
+
+def unavailable() -> str | None:
+    """Why a testbed cannot be built here, or None if it can."""
+    if not SCRIPT.exists():
+        return f"{SCRIPT} is missing (the testbed needs a source checkout)"
+    if os.geteuid() != 0:
+        return "the testbed needs root (network namespaces)"
+    for tool in ("ip", "tc", "unshare", "nsenter"):
+        if not shutil.which(tool):
+            return f"`{tool}` is not installed"
+    probe = subprocess.run(["ip", "netns", "add", "thtb-probe"], capture_output=True, text=True, timeout=10)
+    if probe.returncode != 0:
+        return f"cannot create a network namespace: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "thtb-probe"], capture_output=True, timeout=10)
+    return None
+
+
+def _script(*args: str, timeout: float) -> str:
+    try:
+        done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TestbedError(f"scripts/testbed {' '.join(args)} did not finish within {timeout:.0f}s") from None
+    if done.returncode != 0:
+        raise TestbedError(f"scripts/testbed {' '.join(args)} failed: {done.stderr.strip()[-1500:]}")
+    return done.stdout
+
+
+@contextlib.contextmanager
+def testbed(nodes: int, *flags: str, timeout: float = 300):
+    """``scripts/testbed up NODES FLAGS… --json`` → its state; ``down`` on the way out."""
+    why = unavailable()
+    if why:
+        raise TestbedError(why)
+    try:
+        state = json.loads(_script("up", str(nodes), *flags, "--json", timeout=timeout).splitlines()[-1])
+        yield state
+    finally:
+        _script("down", timeout=120)
+
+
+def enter(node: str) -> list[str]:
+    """The argv prefix that runs a command inside ``node``, in the caller's working
+    directory: ``scripts/testbed exec``, which becomes ``nsenter``."""
+    return [str(SCRIPT), "exec", node, "--"]
+
+
+def node_counters(state: dict, node: str) -> dict[str, int]:
+    """Kernel byte counters of ``node``'s eth0 (what actually crossed its link)."""
+    ns = next(n["ns"] for n in state["nodes"] if n["name"] == node)
+    return _counters(ns, "eth0")
+
+
+def link_counters(state: dict, kind: str, name: str) -> dict[str, int]:
+    """Counters of the upper end of link ``kind`` below ``name`` (e.g. ``dc``, ``dc2``):
+    ``tx_bytes`` there is what went *down* into ``name``, ``rx_bytes`` what came up."""
+    link = next(lk for lk in state["links"] if lk["kind"] == kind and lk["a_ns"] == f"thtb-{name}")
+    return _counters(link["b_ns"], link["b_if"])
+
+
+def _counters(ns: str, dev: str) -> dict[str, int]:
+    base = f"/sys/class/net/{dev}/statistics"
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"{base}/tx_bytes", f"{base}/rx_bytes"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    tx, rx = (int(x) for x in out.split())
+    return {"tx_bytes": tx, "rx_bytes": rx}
+
+
+@dataclass
+class Site:
+    """Where a benchmark's processes run. ``state`` None: loopback."""
+
+    state: dict | None = None
+
+    def prefix(self, node: str) -> list[str] | None:
+        return enter(node) if self.state else None
+
+    def place(self, node: str) -> list[str]:
+        """Endpoint flags (``bench.peer.arguments``) that put a process on ``node``."""
+        if not self.state:
+            return []
+        n = next(n for n in self.state["nodes"] if n["name"] == node)
+        return ["--host", n["address"], "--node", node, "--rack", n["rack"], "--dc", n["dc"]]
+
+    def sent(self, node: str) -> int:
+        """Bytes ``node`` has sent over its link so far (0 on loopback)."""
+        return node_counters(self.state, node)["tx_bytes"] if self.state else 0
+
+    def address(self, node: str) -> str:
+        if not self.state:
+            return "127.0.0.1"
+        return next(n["address"] for n in self.state["nodes"] if n["name"] == node)
