@@ -98,7 +98,7 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
         if level == REMOTE and not may_cross:
             break
         block = deferred()
-        if (needed & (covered | block)).bit_count() >= enough and ranked:
+        if (needed & (covered | block)).bit_count() >= enough:
             exhausted = False
             break
         for cand in candidates:
