@@ -1,6 +1,8 @@
 """Measure the shaping instead of assuming it: one check transfer per link class.
 
 - node: one stream between two nodes of a rack (bottleneck: the node links);
+- duplex: those two nodes send to each other at once (each link then carries data
+  one way and the other stream's ACKs the other: what every relaying reader does);
 - rack: enough streams from one rack to another to exceed the rack uplink rate;
 - dc: enough streams from one DC to another to exceed the DC link rate.
 
@@ -59,6 +61,10 @@ def measure(fabric: Fabric) -> list[dict]:
         got = _streams(fabric, [(rack_nodes[0], rack_nodes[1])], rates["node"])
         rows.append({"link": "node", "path": f"{rack_nodes[0]}->{rack_nodes[1]}", "streams": 1,
                      "expect_mbit": rates["node"], "achieved_mbit": got})
+        a, b = rack_nodes[0], rack_nodes[1]
+        got = _streams(fabric, [(a, b), (b, a)], 2 * rates["node"])
+        rows.append({"link": "duplex", "path": f"{a}<->{b}", "streams": 2, "expect_mbit": 2 * rates["node"],
+                     "achieved_mbit": got})
     dcs = list(fabric.dcs.values())
     same_dc = next((rs for rs in dcs if len(rs) >= 2), None)
     if same_dc:

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if state else 1
     try:
         state = up(args)
-    except (fab.FabricError, net.NetError, RuntimeError) as exc:
+    except (fab.FabricError, net.NetError, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, fab.FabricError) else 1
     if args.json:

@@ -49,6 +49,7 @@ class Version:
     shards: dict[int, p.Manifest] = field(default_factory=dict)
     shard_digests: dict[int, int] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
+    publishers: set[str] = field(default_factory=set)  # the replicas with rank >= 0
     state: str = STAGING
     ever_ready: bool = False
     # derived at assembly
@@ -69,6 +70,17 @@ class Version:
     # Replicas holding anything, by topology group (node, rack, DC), kept by the hub so a
     # plan walks the holders near its reader instead of every endpoint there.
     near: dict[tuple, set[str]] = field(default_factory=dict)
+    # Per DC, the chunks its readers (not publishers) hold and may serve: a publisher
+    # need not send these into that DC again. Filled by the hub on demand; dropped
+    # whole when a reader loses chunks (``respread``), grown in place when one gains.
+    spread: dict[str, int] = field(default_factory=dict)
+
+    def respread(self, gained: int = -1, dc: str | None = None) -> None:
+        """A reader in ``dc`` gained ``gained`` (cheap), or one lost chunks (-1)."""
+        if gained < 0:
+            self.spread.clear()
+        elif dc in self.spread:
+            self.spread[dc] |= gained
 
     @property
     def assembled(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..planner import Candidate, Place, choose, groups
 from ..planner.plan import LEVELS
 from . import protocol as p
+from .asking import Asking
 from .commands import Commands
 from .groups import Round, round_over
 from .registry import READY, UNAVAILABLE, Replica, Version
@@ -87,6 +88,9 @@ class HubConfig:
     # reader uses it. A source that splits its link over many readers finishes every
     # chunk late, and so delays the relaying that makes fan-out flat; readers it turns
     # away read from peers. A source with one reader is not capped: its window rules.
+    # With k readers asking a publisher, each may hold cap // k of its reads (at least
+    # one), so the reader whose report comes with its next plan cannot take every
+    # freed read.
     max_reads_per_source: int = 4
 
 
@@ -99,6 +103,10 @@ class Hub(Commands):
         self.models: dict[str, dict[int, Version]] = {}
         self.rounds: dict[tuple[str, str], Round] = {}
         self.load: dict[str, int] = {}  # reads in flight per source, all versions
+        # Sources at max_reads_per_source: a plan skips them in C (set difference), not
+        # one by one, so a reader whose rack is busy walks its DC in microseconds.
+        self.full: set[str] = set()
+        self.asking = Asking()  # which readers asked which source lately (fair shares)
         self.near: dict[tuple, set[str]] = {}  # topology group (node, rack, dc) -> endpoint names
         self.counters: dict[str, float] = {}
         self._outbound: list[Acked | Send] = []
@@ -141,12 +149,16 @@ class Hub(Commands):
 
     def _pin(self, v: Version, reader: str, chunk: int, source: str) -> None:
         v.pin(reader, chunk, source)
-        self.load[source] = self.load.get(source, 0) + 1
+        load = self.load[source] = self.load.get(source, 0) + 1
+        if load >= self.config.max_reads_per_source:
+            self.full.add(source)
 
     def _unpin(self, v: Version, reader: str, chunk: int) -> None:
         source = v.unpin(reader, chunk)
         if source is not None:
             left = self.load[source] - 1
+            if left < self.config.max_reads_per_source:
+                self.full.discard(source)
             if left:
                 self.load[source] = left
             else:
@@ -198,6 +210,7 @@ class Hub(Commands):
     def _drop_endpoint(self, now: float, name: str) -> None:
         """Contract 6: a gone endpoint loses every reference, pin and read it had."""
         ep = self.endpoints.pop(name, None)
+        self.asking.forget(name)
         if ep is not None:
             _leave(self.near, ep.place, name)
         for versions in self.models.values():
@@ -207,8 +220,11 @@ class Hub(Commands):
                 for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
                     for chunk in [c for c, s in v.reads[reader].items() if s == name]:
                         self._unpin(v, reader, chunk)
-                if v.replicas.pop(name, None) is not None and ep is not None:
-                    _leave(v.near, ep.place, name)
+                if v.replicas.pop(name, None) is not None:
+                    v.publishers.discard(name)
+                    v.respread()
+                    if ep is not None:
+                        _leave(v.near, ep.place, name)
                 if name in v.draining:
                     v.draining.discard(name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
@@ -250,6 +266,7 @@ class Hub(Commands):
         v.shards[rank], v.shard_digests[rank] = manifest, digest
         if rep is None:
             rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
+            v.publishers.add(name)
         self._assemble(v)
         if v.assembled:
             rep.held |= v.shard_mask(rank)
@@ -297,6 +314,7 @@ class Hub(Commands):
                 held |= 1 << c
         rep = v.replicas.setdefault(name, Replica(endpoint=name))
         rep.held |= held
+        v.respread(held, self.endpoints[name].place.dc)
         if held:
             self._index(v, name)
         for r in h.reading:
@@ -394,20 +412,24 @@ class Hub(Commands):
             assigned |= 1 << chunk
         window = max(1, min(op.window, self.config.max_window))
         needed = v.full & ~rep.held & ~assigned
+        may_cross = self._may_cross(v, reader)
         busy_held = [0]  # needed chunks only busy holders have: filled by _levels, level by level
         result = choose(
             needed=needed,
             start=zlib.crc32(op.name.encode()) % v.nchunks,
             limit=window - len(reads),
-            levels=self._levels(now, v, reader, needed, busy_held),
-            may_cross=self._may_cross(v, reader),
-            deferred=lambda: busy_held[0],
+            levels=self._levels(now, v, reader, needed, busy_held, may_cross),
+            may_cross=may_cross,
+            deferred=lambda want: busy_held[0] | self._full_held(now, v, reader, want & ~busy_held[0]),
         )
         planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
         relayed = 0  # reads served by readers, not publishers: pipelined replication at work
         for chunk, source, level in result.assigned:
             self._pin(v, op.name, chunk, source)
-            relayed += v.replicas[source].rank < 0
+            if v.replicas[source].rank >= 0:
+                self.asking.note(source, op.name, now)
+            else:
+                relayed += 1
             nbytes = v.chunk_nbytes[chunk]
             for key in (_LEVEL_KEYS[level], _TIER_KEYS[self.endpoints[source].info.tier]):
                 planned[key] = planned.get(key, 0) + nbytes
@@ -453,7 +475,8 @@ class Hub(Commands):
             return True
         return False
 
-    def _levels(self, now: float, v: Version, reader: Endpoint, needed: int, busy_held: list[int]):
+    def _levels(self, now: float, v: Version, reader: Endpoint, needed: int, busy_held: list[int],
+                may_cross: bool):
         """Candidates for ``reader`` one topology level at a time, each built only when
         the planner asks for it. Levels 0–2 walk the version's holders in the reader's
         node, rack and DC (``Version.near``), so a plan does not scan the cluster; a
@@ -465,11 +488,17 @@ class Hub(Commands):
         keys = groups(here)
         replicas, endpoints, load = v.replicas, self.endpoints, self.load
         expiry, me, cap = self.config.expiry_s, reader.name, self.config.max_reads_per_source
+        asking, spread = self.asking, v.spread
         mine: dict[str, int] = {}  # this reader's own reads in flight, per source
         for source in v.reads.get(me, {}).values():
             mine[source] = mine.get(source, 0) + 1
         # Draining replicas take no new reads, except the retention copy of themselves.
         closed = () if retention_pull else v.draining
+        full = self.full
+        if not star:  # a reader turned away by a full publisher still asked for it
+            for name in v.publishers & full:
+                if replicas[name].held & needed:
+                    asking.note(name, me, now)
 
         def gather(n: int, names):
             """The eligible holders among ``names``, all at level n. (The hot loop of
@@ -487,15 +516,32 @@ class Hub(Commands):
                 if star:
                     yield Candidate(name, rep.held, n, busy, name in avoid)
                     continue
-                room = 1 << 30  # a source nobody else reads from: the reader's window decides
-                if busy > mine.get(name, 0):
-                    if busy >= cap:
-                        busy_held[0] |= rep.held & needed
+                held = rep.held
+                if rep.rank >= 0 and not avoid:
+                    # A publisher sends into a DC only chunks no reader there has
+                    # yet: readers relay the rest (never fetched across a DC instead),
+                    # so its link carries one copy. A reader that met a bad holder
+                    # may have any chunk from it again (contract 5).
+                    relayed = spread.get(here.dc)
+                    if relayed is None:
+                        relayed = self._spread(v, here.dc)
+                    busy_held[0] |= held & relayed & needed
+                    held &= ~relayed
+                    if not held & needed:
                         continue
-                    room = cap - busy
+                # Fair shares only at publishers: they are few (so this stays cheap
+                # with thousands of relays) and they are where readers queue.
+                others = asking.others(name, me, now) if rep.rank >= 0 else 0
+                room = 1 << 30  # a source nobody else asks for: the reader's window decides
+                if others or busy > mine.get(name, 0):
+                    room = min(cap - busy, max(1, cap // (1 + others)) - mine.get(name, 0))
+                    if room <= 0:
+                        busy_held[0] |= held & needed
+                        if rep.rank >= 0:
+                            asking.note(name, me, now)
+                        continue
                 # A chunk this source is already sending to another reader will be
                 # at that reader soon: fetch it from there, so it leaves here once.
-                held = rep.held
                 if name in v.serving:
                     sending = v.serving_mask(name)
                     busy_held[0] |= held & sending & needed
@@ -509,11 +555,41 @@ class Hub(Commands):
         # Holders come from the version's index; what is cut out as a cheaper level
         # comes from where endpoints are, which the index cannot get wrong. (Set
         # difference runs in C: a DC of holders costs microseconds, not a Python loop.)
+        # Full sources turn every reader away: skipped here, their chunks in _full_held.
         inner: set[str] = set()
         for n, key in enumerate(keys):
-            yield n, gather(n, v.near.get(key, set()) - inner)
+            yield n, gather(n, v.near.get(key, set()) - inner - full)
             inner = self.near.get(key, set())
-        yield len(keys), gather(len(keys), replicas.keys() - inner)
+        if may_cross:  # else the planner stops before this level: skip the set difference
+            yield len(keys), gather(len(keys), replicas.keys() - inner - full)
+
+    def _full_held(self, now: float, v: Version, reader: Endpoint, want: int) -> int:
+        """Chunks of ``want`` that full sources in ``reader``'s DC hold: they wait for
+        those sources rather than cross a DC link. Asked only when a plan reaches that
+        level."""
+        out = 0
+        closed = () if reader.name in v.pulls else v.draining
+        endpoints, expiry = self.endpoints, self.config.expiry_s
+        for name in self.full & v.near.get(("dc", reader.place.dc), set()):
+            rep = v.replicas.get(name)
+            if rep is None or not rep.held & want or name in closed:
+                continue
+            ep = endpoints.get(name)
+            if ep is not None and now - ep.last_seen <= expiry:
+                out |= rep.held & want
+                if out == want:
+                    break
+        return out
+
+    def _spread(self, v: Version, dc: str) -> int:
+        """``v.spread[dc]``, computed from the DC's holder index."""
+        out = 0
+        for name in v.near.get(("dc", dc), ()):
+            rep = v.replicas.get(name)
+            if rep is not None and rep.rank < 0 and name not in v.draining:
+                out |= rep.held
+        v.spread[dc] = out
+        return out
 
     def _source(self, name: str) -> p.Source:
         info = self.endpoints[name].info
@@ -532,6 +608,10 @@ class Hub(Commands):
             rep.held |= 1 << c
             self._unpin(v, op.name, c)
         if op.chunks:
+            if rep.rank < 0:
+                v.respread(rep.held, self.endpoints[op.name].place.dc)
+            if rep.held == v.full:
+                self.asking.done(op.name)
             self._index(v, op.name)
         for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
             if v.reads.get(op.name, {}).get(r.chunk) == r.source:
@@ -554,6 +634,7 @@ class Hub(Commands):
         v = self._version(op.model, op.version)
         for chunk in list(v.reads.get(op.name, {})):
             self._unpin(v, op.name, chunk)
+        self.asking.done(op.name)
         self._settle(now)
         return p.Ok()
 
@@ -568,6 +649,7 @@ class Hub(Commands):
         if rep is None:
             raise HubFault("not_found", f"{op.name} holds no replica of {op.model}@{op.version}")
         v.draining.add(op.name)  # contract 3: no new reads from here on
+        v.respread()
         v.pulls.discard(op.name)  # a retention copy it was making is abandoned with it
         self.count("unpublishes")
         self._settle(now, v)
@@ -605,6 +687,8 @@ class Hub(Commands):
                 if self._drained(now, v, name, kept, policy):
                     v.draining.discard(name)
                     del v.replicas[name]
+                    v.publishers.discard(name)
+                    v.respread()
                     _leave(v.near, self.endpoints[name].place, name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
                     self.count("unpublish_acks")

@@ -47,7 +47,7 @@ def workers(state, home, names: list[str]) -> dict[str, Worker]:
 @pytest.mark.parametrize("built", built_params, indirect=True)
 def test_check_transfers_show_the_links_are_shaped(built):
     rates = {row["link"]: row for row in built["check"]}
-    assert set(rates) == {"node", "rack"}
+    assert set(rates) == {"node", "duplex", "rack"}
     for row in rates.values():
         assert 0.75 <= row["achieved_mbit"] / row["expect_mbit"] <= 1.05, row
 

@@ -19,7 +19,7 @@ SIZE = MIB * 2**20
 @pytest.mark.parametrize("built", [pytest.param((4, "--dcs", "2", "--racks", "2"), id="2-dcs")], indirect=True)
 def test_one_copy_per_version_crosses_the_dc_link(built, tmp_path):
     state, home = built, tmp_path / "th_home"
-    assert [row["link"] for row in state["check"]] == ["node", "dc"]  # one rack per DC: no rack pair
+    assert [row["link"] for row in state["check"]] == ["node", "duplex", "dc"]  # one rack per DC: no rack pair
     for row in state["check"]:
         assert 0.75 <= row["achieved_mbit"] / row["expect_mbit"] <= 1.05, row
     th("up", state["cluster_yaml"], "--timeout", "60", home=home)

@@ -406,3 +406,63 @@ def test_a_busy_near_holder_makes_a_reader_wait_not_cross_to_a_dearer_level():
     hub.plan(0, p.Plan(name="s2", model="policy", version=1, window=2))
     assert hub.load["h"] == 4  # its cap, shared by two readers
     assert hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4)).reads == []
+
+
+def test_inside_a_dc_a_busy_rack_holder_lets_a_reader_read_from_another_rack():
+    """Contract 8 inside a DC: cost first, but a full cheaper holder does not make the
+    reader idle while an idle holder in another rack of its DC has the chunks."""
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0", rack="r0"), info("y", node="n1", rack="r3"),
+        info("h", node="n2"), info("s1", node="n3"), info("s2", node="n4"), info("r", node="n5"))
+    publish(hub, 0, "t", 1, manifest(8))
+    fetch_all(hub, 0, "y", "policy", 1)
+    fetch_all(hub, 0, "h", "policy", 1)
+    hub.plan(0, p.Plan(name="s1", model="policy", version=1, window=2))
+    hub.plan(0, p.Plan(name="s2", model="policy", version=1, window=2))
+    assert hub.load["h"] == 4  # at its cap: r's rack-local holder is full
+    assert set(_per_source(hub.plan(0, p.Plan(name="r", model="policy", version=1, window=4)))) == {"y"}
+
+
+def test_the_publisher_sends_into_a_dc_only_chunks_no_reader_there_holds():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), *[info(n, node=f"n{i + 1}") for i, n in enumerate(("a", "b", "s1", "s2"))],
+        info("w", node="n9", dc="west"))
+    publish(hub, 0, "t", 1, manifest(8))
+    fetch_all(hub, 0, "a", "policy", 1)
+    for s in ("s1", "s2"):
+        assert set(_per_source(hub.plan(0, p.Plan(name=s, model="policy", version=1, window=2)))) == {"a"}
+    assert hub.load["a"] == 4  # a is full; t is idle and holds every chunk b needs
+    assert hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8)).reads == []  # waits for a
+    # Another DC: no reader there holds anything, so t sends (one copy crosses).
+    assert set(_per_source(hub.plan(0, p.Plan(name="w", model="policy", version=1, window=2)))) == {"t"}
+    # Once a reader failed on a holder, the publisher may send it anything again (contract 5).
+    for s in ("s1", "s2", "w"):
+        hub.cancel(1.0, p.Cancel(name=s, model="policy", version=1))
+    b = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=2))
+    assert set(_per_source(b)) == {"a"}
+    bad = b.reads[0]
+    hub.progress(1.0, p.Progress(name="b", model="policy", version=1, chunks=[], failed=[bad]))
+    retry = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=2))
+    assert p.Read(chunk=bad.chunk, source="t") in retry.reads
+
+
+def test_a_reader_that_reports_and_replans_cannot_keep_every_slot_a_waiter_asked_for():
+    """Fair shares: the reader whose read finished is first to ask again, but another
+    reader that asked lately gets its share of the freed slot."""
+    hub = new_hub()  # max_reads_per_source = 4
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n2"))
+    publish(hub, 0, "t", 1, manifest(16))
+    first = hub.plan(0, p.Plan(name="a", model="policy", version=1, window=4))
+    assert _per_source(first) == {"t": 4}
+    assert hub.plan(0.01, p.Plan(name="b", model="policy", version=1, window=4)).reads == []  # t is full
+    done = [r.chunk for r in first.reads[:2]]
+    again = hub.plan(0.02, p.Plan(name="a", model="policy", version=1, window=4, chunks=done))
+    assert _per_source(again).get("t", 0) == 2  # a keeps its share (2 of 4), takes none of the freed slots
+    b = hub.plan(0.03, p.Plan(name="b", model="policy", version=1, window=4))
+    assert _per_source(b).get("t", 0) == 2
+    # Long after b last asked, a alone may fill t again.
+    hub.progress(1.0, p.Progress(name="b", model="policy", version=1, chunks=[r.chunk for r in b.reads]))
+    hub.cancel(1.0, p.Cancel(name="b", model="policy", version=1))
+    late = hub.plan(1.0, p.Plan(name="a", model="policy", version=1, window=4,
+                                chunks=[r.chunk for r in again.reads if r.source == "t"]))
+    assert _per_source(late).get("t", 0) == 4 - _per_source(late).get("b", 0)
