@@ -121,22 +121,26 @@ def _ask_hub(name: str, state, op, timeout: float = 3.0):
 
 @app.command()
 def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json"),
-           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C")) -> None:
-    """Hub, nodes (alive, heartbeat age) and versions."""
+           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C (rich Live)"),
+           interval: float = typer.Option(1.0, min=0.2, help="--watch: seconds between refreshes")) -> None:
+    """Hub, nodes (alive, rack, DC), endpoints and versions; --watch adds fetch progress and events."""
     from .hub import protocol as p
     from .launch.cluster import processes_alive
     from .launch.state import cluster_dir
     from .ui.status import render_status
 
-    if watch:
-        fail("th status --watch: not available yet", 3)
+    if watch and as_json:
+        fail("th status: --watch and --json do not go together (--json is one snapshot, for scripts)", 2)
     name, state = _load_running(cluster)
-    reply, problem = _ask_hub(name, state, p.Status())
-    alive = processes_alive(name, state)
     try:
         places = {n.name: (n.rack, n.dc) for n in specmod.load(cluster_dir(name) / "spec.yaml").nodes()}
     except specmod.SpecError:
         places = {}
+    if watch:
+        _watch(name, state, places, interval)
+        return
+    reply, problem = _ask_hub(name, state, p.Status())
+    alive = processes_alive(name, state)
     if as_json:
         doc = {
             "cluster": name,
@@ -154,6 +158,34 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
             err.print(f"hub: {problem}", markup=False)
     if reply is None:
         raise typer.Exit(1)
+
+
+def _watch(name: str, state, places, interval: float) -> None:
+    import time
+
+    from rich.live import Live
+
+    from .hub import protocol as p
+    from .launch.cluster import processes_alive
+    from .ui.watch import Watch
+
+    view = Watch()
+    try:
+        with Live(console=out, auto_refresh=False, screen=False) as live:
+            while True:
+                reply, problem = _ask_hub(name, state, p.Status(), timeout=min(3.0, interval * 3))
+                shown = view.render(time.monotonic(), state, reply, processes_alive(name, state), places)
+                live.update(shown if problem is None else _with_problem(shown, problem), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+def _with_problem(shown, problem):
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(shown, Text(f"hub: {problem}", style="red"))
 
 
 @app.command()
@@ -250,7 +282,7 @@ def sync(model: str = typer.Argument(..., help="model name"),
         out.print(f"synced {model}@{run.version} to {len(run.targets)} endpoint(s)")
 
 
-BENCH_WORKLOADS = ("hub", "p2p", "fanout")
+BENCH_WORKLOADS = ("hub", "p2p", "fanout", "rl")
 
 
 def _reader_counts(text: str) -> list[int]:
@@ -281,10 +313,19 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
           engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp"),
           testbed: bool = typer.Option(False, "--testbed", help="fanout: on an 8-node namespace testbed it builds "
                                        "and removes (root; readers 1,3,7 by default)"),
-          node_gbps: Optional[float] = typer.Option(None, min=0.001, help="fanout --testbed: node link rate")) -> None:
+          node_gbps: Optional[float] = typer.Option(None, min=0.001, help="fanout --testbed: node link rate"),
+          rl_workload: str = typer.Option("standalone", "--workload", help="rl: standalone, elastic or cross-dc"),
+          steps: int = typer.Option(4, min=1, help="rl: trainer steps (= versions)"),
+          rollouts: int = typer.Option(3, min=1, max=16, help="rl: rollout runners"),
+          hidden: int = typer.Option(512, min=16, help="rl: model hidden size"),
+          layers: int = typer.Option(8, min=1, help="rl: model layers"),
+          step_s: float = typer.Option(1.5, min=0, help="rl: the trainer's pace, seconds per step at least")) -> None:
     """Measure a workload and print JSON (ratios and latencies measured in one run)."""
     if workload not in BENCH_WORKLOADS:
         fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
+    if workload == "rl":
+        _bench_rl(rl_workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout)
+        return
     if plot is not None and workload != "fanout":
         fail(f"th bench {workload}: --plot: this workload has no chart", 2)
     if testbed and workload != "fanout":
@@ -311,20 +352,10 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
                 result = fanout.run(_reader_counts(readers), mib=mib or 128, window=window or 2, engine=engine)
         except (RigError, RuntimeError, ValueError) as exc:
             fail(f"th bench {workload}: {exc}", 1)
-        print(json.dumps(result, indent=None if as_json else 2))
         if workload == "fanout":
-            if not as_json:
-                from .ui.status import render_bench_fanout
-
-                render_bench_fanout(err, result)
-            if plot is not None:
-                from .ui import plot as charts
-
-                try:
-                    charts.fanout(result, plot)
-                except charts.PlotUnavailable as exc:
-                    fail(f"th bench fanout: {exc}", 1)
-                err.print(f"wrote {plot}", highlight=False)
+            _show_bench("fanout", result, as_json, plot)
+        else:
+            print(json.dumps(result, indent=None if as_json else 2))
         return
     from .bench import hub as hub_bench
 
@@ -341,6 +372,48 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
         from .ui.status import render_bench_hub
 
         render_bench_hub(err, result)
+
+
+def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:
+    """JSON on stdout; without --json a table on stderr; with --plot a PNG
+    (``ui.status.render_bench_<workload>``, ``ui.plot.<workload>``)."""
+    from .ui import plot as charts
+    from .ui import status as tables
+
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        getattr(tables, f"render_bench_{workload}")(err, result)
+    if plot is not None:
+        try:
+            getattr(charts, workload)(result, plot)
+        except charts.PlotUnavailable as exc:
+            fail(f"th bench {workload}: {exc}", 1)
+        err.print(f"wrote {plot}", highlight=False)
+
+
+def _bench_rl(workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout) -> None:
+    from .bench import rl
+    from .bench.rig import RigError
+
+    if workload not in rl.WORKLOADS:
+        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, got {workload!r}", 2)
+    if engine not in ("nixl", "tcp"):
+        fail(f"th bench rl: --engine must be nixl or tcp, got {engine!r}", 2)
+    if hidden % 8:
+        fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
+    if not as_json:
+        err.print(f"bench rl {workload}: trainer + {rollouts} rollouts on loopback, ours then baseline …",
+                  highlight=False)
+    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
+                     timeout_s=timeout)
+    try:
+        result = rl.run(workload, knobs)
+    except (RigError, RuntimeError, OSError) as exc:
+        fail(f"th bench rl: {exc}", 1)
+    _show_bench("rl", result, as_json, plot)
+    if result["probe_mismatches"]:
+        fail(f"th bench rl: {result['probe_mismatches']} probe mismatch(es): a rollout ran weights that were "
+             "not the trainer's version", 1)
 
 
 @app.command()

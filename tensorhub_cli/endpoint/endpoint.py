@@ -16,6 +16,8 @@ Protocol (per method, what the caller may do once it returns):
 - ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
   of that memory is in flight, and any retention copy it called for exists. The caller
   owns the memory again.
+- ``verify(model, version, into)`` → problems (empty: ``into`` is byte for byte the
+  version, re-hashed against the manifest). Reads only; changes nothing.
 - ``close()``: unpublishes everything (bounded), deregisters, stops its threads.
 
 Threads: the caller's (publish, fetch, unpublish: one hub socket), the service thread
@@ -39,7 +41,7 @@ from ..engines.tcp import Regions, TcpEngine
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from .fetch import Fetch, FetchError
-from .layout import CHUNK_BYTES, SMALL_BYTES, allocate, lay_out, place
+from .layout import CHUNK_BYTES, SMALL_BYTES, allocate, lay_out, place, verify
 from .peer import PeerServer
 from .replica import Held
 from .service import Service
@@ -167,7 +169,7 @@ class Endpoint:
         if held is not None and (held.rank >= 0 or len(held.held) == len(held.placed.views)) and (
                 callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
-            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0}
+            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
             return resolved.version  # already a complete holder of it (in this memory, if one was given)
         if held is not None:
             raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
@@ -229,6 +231,14 @@ class Endpoint:
                     raise
                 break
         self._drop(held)
+
+    def verify(self, model: str, version: int, into: dict) -> list[str]:
+        """Every way ``into`` differs from the manifest of ``model@version`` as this
+        endpoint holds it (empty: byte for byte the version). Re-reads ``into``."""
+        held = self._replicas.get((model, version))
+        if held is None:
+            raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
+        return verify(held.shards, into)
 
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,

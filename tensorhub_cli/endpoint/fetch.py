@@ -55,7 +55,8 @@ class Fetch:
         self.failed: list[p.Read] = []
         self.first_result = 0.0
         self.peers: dict[str, tuple[object, object, wire.Described]] = {}  # source -> (engine, peer, described)
-        self.stats = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0}
+        # from_publishers: bytes read from a published shard (a trainer's send counter)
+        self.stats = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
         self.starts = held.starts()
         self.backoff = 0.0
         self.warned: set[str] = set()
@@ -222,8 +223,12 @@ class Fetch:
             self.held.placed.finish(chunk)
             with self.held.lock:
                 self.held.held.add(chunk)
-            self.stats["bytes"] += self.held.placed.views[chunk].nbytes
+            nbytes = self.held.placed.views[chunk].nbytes
+            self.stats["bytes"] += nbytes
             self.stats["reads"] += 1
+            peer = self.peers.get(source)
+            if peer is not None and peer[2].rank >= 0:
+                self.stats["from_publishers"] += nbytes
             self._result()
             self.done.append(chunk)
         return progressed

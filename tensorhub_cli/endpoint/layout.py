@@ -239,6 +239,32 @@ def _pieces(m: p.Manifest, start: int, end: int, src, into: dict) -> list:
     return out
 
 
+def verify(shards: list[p.Manifest], into: dict) -> list[str]:
+    """Re-hash ``into``'s tensors chunk by chunk against the manifest (empty: every
+    byte is the version's). Reads the destination itself, not the staging copies a
+    fetch verified, so it also catches bytes changed after the fetch."""
+    import torch
+
+    problems = check_destination(shards, into)
+    if problems:
+        return problems
+    for rank, m in enumerate(shards):
+        start = 0
+        for i, c in enumerate(m.chunks):
+            end = start + c.nbytes
+            pieces = []  # (tensor, its bytes inside this chunk), in layout order
+            for t in m.tensors:
+                lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
+                if lo < hi:
+                    pieces.append((t.name, _bytes(into[t.name])[lo - t.offset:hi - t.offset]))
+            flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b.cpu() for _, b in pieces])
+            if checksum(flat) != c.checksum:
+                names = ", ".join(n for n, _ in pieces[:3]) + (" …" if len(pieces) > 3 else "")
+                problems.append(f"shard {rank} chunk {i} ({names}): checksum differs from the manifest")
+            start = end
+    return problems
+
+
 def allocate(shards: list[p.Manifest], device: str = "cpu") -> dict:
     """Fresh tensors matching the manifest: a destination for a copy nobody supplied
     (the agent's host-tier retention copies, ``th sync`` into an agent)."""

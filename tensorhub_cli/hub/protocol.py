@@ -273,6 +273,13 @@ class EndpointStatus(Msg):
     alive: bool
     heartbeat_age_s: float
     replicas: int
+    rack: str = ""
+    dc: str = ""
+    reliable: bool = True
+    # Bytes of reads the hub planned for this endpoint since it registered, and how
+    # many of them from publishers (a trainer's send counter, per reader).
+    bytes_planned: int = 0
+    bytes_from_publishers: int = 0
 
 
 class HolderStatus(Msg):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from ..planner import Candidate, Place, choose, groups
+from ..planner import Candidate, Place, choose, groups, level_between
 from ..planner.plan import LEVELS
 from . import protocol as p
 from .asking import Asking
@@ -29,6 +29,8 @@ from .retention import Policy, pulls_needed, retained, short
 
 _LEVEL_KEYS = [f"bytes_planned.level.{name}" for name in LEVELS]
 _TIER_KEYS = {tier: f"bytes_planned.tier.{tier}" for tier in ("device", "host")}
+# A trainer's send counter, split by its readers' kind: spot joiners should read ~0 of it.
+_FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "bytes_planned.from_publishers.spot"}
 
 
 class HubFault(Exception):
@@ -65,6 +67,8 @@ class Endpoint:
     info: p.EndpointInfo
     last_seen: float
     place: Place = field(init=False)
+    bytes_planned: int = 0  # reads planned for it (as a reader), all versions
+    bytes_from_publishers: int = 0  # of those, served by publishers
 
     def __post_init__(self) -> None:
         self.place = Place(node=self.info.node, rack=self.info.rack, dc=self.info.dc)
@@ -426,11 +430,15 @@ class Hub(Commands):
         relayed = 0  # reads served by readers, not publishers: pipelined replication at work
         for chunk, source, level in result.assigned:
             self._pin(v, op.name, chunk, source)
+            nbytes = v.chunk_nbytes[chunk]
+            reader.bytes_planned += nbytes
             if v.replicas[source].rank >= 0:
                 self.asking.note(source, op.name, now)
+                reader.bytes_from_publishers += nbytes
+                tier = _FROM_PUBLISHERS[reader.info.reliable]
+                planned[tier] = planned.get(tier, 0) + nbytes
             else:
                 relayed += 1
-            nbytes = v.chunk_nbytes[chunk]
             for key in (_LEVEL_KEYS[level], _TIER_KEYS[self.endpoints[source].info.tier]):
                 planned[key] = planned.get(key, 0) + nbytes
         for key, nbytes in planned.items():
@@ -514,7 +522,9 @@ class Hub(Commands):
                     continue
                 busy = load.get(name, 0)
                 if star:
-                    yield Candidate(name, rep.held, n, busy, name in avoid)
+                    # Topology ignored for the choice; the true level still goes
+                    # into the counters, so bytes_planned.level.* compare with ours.
+                    yield Candidate(name, rep.held, level_between(here, ep.place), busy, name in avoid)
                     continue
                 held = rep.held
                 if rep.rank >= 0 and not avoid:
@@ -770,7 +780,9 @@ class Hub(Commands):
         eps = [
             p.EndpointStatus(name=ep.name, node=ep.info.node, role=ep.info.role, kind=ep.info.kind,
                              alive=self._alive(now, ep.name), heartbeat_age_s=round(now - ep.last_seen, 3),
-                             replicas=held.get(ep.name, 0))
+                             replicas=held.get(ep.name, 0), rack=ep.info.rack, dc=ep.info.dc,
+                             reliable=ep.info.reliable, bytes_planned=ep.bytes_planned,
+                             bytes_from_publishers=ep.bytes_from_publishers)
             for ep in sorted(self.endpoints.values(), key=lambda e: e.name)
         ]
         return p.StatusReply(cluster=self.config.cluster, uptime_s=round(now - self.started_at, 3), endpoints=eps,

@@ -1,5 +1,5 @@
 """Pure planning: which holder serves which chunk to which reader, given topology."""
 
-from .plan import LEVELS, Candidate, PlanResult, Place, choose, groups
+from .plan import LEVELS, Candidate, PlanResult, Place, choose, groups, level_between
 
-__all__ = ["LEVELS", "Candidate", "PlanResult", "Place", "choose", "groups"]
+__all__ = ["LEVELS", "Candidate", "PlanResult", "Place", "choose", "groups", "level_between"]

@@ -41,6 +41,15 @@ def groups(place: Place) -> tuple[tuple, ...]:
     return ("node", place.dc, place.rack, place.node), ("rack", place.dc, place.rack), ("dc", place.dc)
 
 
+def level_between(a: Place, b: Place) -> int:
+    """The level of a source at ``b`` for a reader at ``a`` (see ``groups``)."""
+    if a.dc != b.dc:
+        return REMOTE
+    if a.rack != b.rack:
+        return 2
+    return 0 if a.node == b.node else 1
+
+
 @dataclass(slots=True)
 class Candidate:
     """A holder a reader may read from. Better first: trusted, cheaper level, not a

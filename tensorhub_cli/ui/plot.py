@@ -9,8 +9,7 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def fanout(result: dict, path: Path) -> None:
-    """Completion time vs readers: ours, star, and the S/B line when the rows carry it."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -18,6 +17,36 @@ def fanout(result: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'tensorhub[plot]'") from None
+    return plt
+
+
+def rl(result: dict, path: Path) -> None:
+    """Stall seconds (rollouts, trainer) and bytes per topology level: ours vs baseline."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4), dpi=120)
+    arms = ("ours", "baseline")
+    for i, key in enumerate(("rollout_stall_s", "trainer_stall_s")):
+        left.bar([x + i * 0.4 for x in range(2)], [result[a][key] for a in arms], 0.4,
+                 label=key.replace("_s", "").replace("_", " "))
+    left.set_xticks([0.2, 1.2], arms)
+    left.set_ylabel("seconds (summed)")
+    left.legend()
+    levels = ("node", "rack", "dc", "remote")
+    for i, arm in enumerate(arms):
+        right.bar([x + i * 0.4 for x in range(4)], [result[arm]["bytes_by_level"][lv] / 1e6 for lv in levels],
+                  0.4, label=arm)
+    right.set_xticks([x + 0.2 for x in range(4)], levels)
+    right.set_ylabel("MB planned")
+    right.legend()
+    fig.suptitle(f"rl {result['workload']}: rollout stall ratio {result['stall_ratio']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def fanout(result: dict, path: Path) -> None:
+    """Completion time vs readers: ours, star, and the S/B line when the rows carry it."""
+    plt = _pyplot()
     rows = result["rows"]
     readers = [r["readers"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)

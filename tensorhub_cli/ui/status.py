@@ -20,6 +20,14 @@ def _running(value: bool | None) -> str:
 def render_status(console: Console, state: ClusterState, status: p.StatusReply | None,
                   alive: dict[tuple[str, str], bool | None], places: dict[str, tuple[str, str]]) -> None:
     """``alive``: (role, node) → process running (None: cannot tell); ``places``: node → (rack, dc)."""
+    for part in status_parts(state, status, alive, places):
+        console.print(part)
+
+
+def status_parts(state: ClusterState, status: p.StatusReply | None, alive: dict[tuple[str, str], bool | None],
+                 places: dict[str, tuple[str, str]], endpoints: Table | None = None) -> list:
+    """The status screen as renderables: hub line, nodes, endpoints (``endpoints``
+    replaces the plain table, e.g. with the watch view's progress), versions."""
     hub_rec = next((r for r in state.procs if r.role == "hub"), None)
     hub_line = f"[bold]{state.cluster}[/]  hub {state.hub_address}"
     if status is None:
@@ -28,7 +36,7 @@ def render_status(console: Console, state: ClusterState, status: p.StatusReply |
         hub_line += f"  [green]up[/] {_age(status.uptime_s)}"
     if hub_rec is not None:
         hub_line += f"  pid {hub_rec.pid} on {hub_rec.node}" + _running(alive.get(("hub", hub_rec.node)))
-    console.print(hub_line)
+    parts: list = [hub_line]
 
     seen = {e.name: e for e in status.endpoints} if status else {}
     nodes = Table("node", "rack", "dc", "agent", "alive", "heartbeat", "pid", title="nodes", title_justify="left")
@@ -45,14 +53,17 @@ def render_status(console: Console, state: ClusterState, status: p.StatusReply |
             _age(ep.heartbeat_age_s) if ep else "-",
             f"{rec.pid}" + _running(alive.get(("agent", rec.node))),
         )
-    console.print(nodes)
+    parts.append(nodes)
     others = [e for e in (status.endpoints if status else []) if e.kind != "agent"]
-    if others:
+    if endpoints is not None:
+        parts.append(endpoints)
+    elif others:
         eps = Table("endpoint", "node", "role", "alive", "heartbeat", "replicas", title="endpoints", title_justify="left")
         for e in others:
             eps.add_row(e.name, e.node, e.role, "yes" if e.alive else "no", _age(e.heartbeat_age_s), str(e.replicas))
-        console.print(eps)
-    render_versions(console, status.versions if status else [])
+        parts.append(eps)
+    parts.append(versions_table(status.versions if status else []))
+    return parts
 
 
 def _names(names: list[str], shown: int = 4) -> str:
@@ -60,9 +71,12 @@ def _names(names: list[str], shown: int = 4) -> str:
 
 
 def render_versions(console: Console, versions: list[p.VersionStatus]) -> None:
+    console.print(versions_table(versions))
+
+
+def versions_table(versions: list[p.VersionStatus]):
     if not versions:
-        console.print("versions: none yet")
-        return
+        return "versions: none yet"
     t = Table("model", "version", "state", "MiB", "chunks", "complete holders", "partial holders", "reliable copies",
               title="versions", title_justify="left")
     for col in t.columns[5:7]:
@@ -72,7 +86,7 @@ def render_versions(console: Console, versions: list[p.VersionStatus]) -> None:
         partial = [f"{h.name} {h.held_bytes / max(v.nbytes, 1):.0%}" for h in v.holders if not h.complete]
         t.add_row(v.model, str(v.version), v.state, f"{v.nbytes / 2**20:.1f}", str(v.chunks),
                   _names(complete), _names(partial), str(v.reliable_copies))
-    console.print(t)
+    return t
 
 
 def render_bench_hub(console: Console, r: dict) -> None:
@@ -97,4 +111,19 @@ def render_bench_fanout(console: Console, r: dict) -> None:
         if bounded:
             cells += [f"{row['bound_s']:.2f}", f"{row['ours_vs_bound']:.2f}", f"{row['star_vs_bound']:.2f}"]
         t.add_row(*cells)
+    console.print(t)
+
+
+def render_bench_rl(console: Console, r: dict) -> None:
+    """Ours vs the workload's baseline, side by side, with bytes per topology level."""
+    t = Table("arm", "planner", "rollout stall s", "trainer stall s", "versions loaded", "node MB", "rack MB",
+              "dc MB", "remote MB", "joins ← trainer MB",
+              title=f"rl {r['workload']}: rollout stall ratio (baseline ÷ ours) {r['stall_ratio']}, "
+              f"probe mismatches {r['probe_mismatches']}", title_justify="left")
+    for arm in ("ours", "baseline"):
+        a = r[arm]
+        t.add_row(arm, a["planner"], f"{a['rollout_stall_s']:.2f}", f"{a['trainer_stall_s']:.2f}",
+                  str(a["versions_loaded"]), *(f"{a['bytes_by_level'][lv] / 1e6:.0f}" for lv in
+                                               ("node", "rack", "dc", "remote")),
+                  f"{a['joiners_join_from_trainer_bytes'] / 1e6:.0f}")
     console.print(t)

@@ -466,3 +466,20 @@ def test_a_reader_that_reports_and_replans_cannot_keep_every_slot_a_waiter_asked
     late = hub.plan(1.0, p.Plan(name="a", model="policy", version=1, window=4,
                                 chunks=[r.chunk for r in again.reads if r.source == "t"]))
     assert _per_source(late).get("t", 0) == 4 - _per_source(late).get("b", 0)
+
+
+def test_bytes_from_publishers_are_counted_per_reader_and_by_reliability():
+    """The trainer's send counter: what each reader was planned from publishers."""
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("s", node="n2", reliable=False))
+    publish(hub, 0, "t", 1, manifest(4))
+    a = hub.plan(0, p.Plan(name="a", model="policy", version=1, window=8))
+    assert {r.source for r in a.reads} == {"t"}
+    hub.progress(0.1, p.Progress(name="a", model="policy", version=1, chunks=[r.chunk for r in a.reads]))
+    hub.plan(0.2, p.Plan(name="s", model="policy", version=1, window=8))
+    nbytes = sum(c.nbytes for c in manifest(4).chunks)
+    eps = {e.name: e for e in hub.status(0.2).endpoints}
+    assert eps["a"].bytes_from_publishers == eps["a"].bytes_planned == nbytes
+    assert eps["s"].bytes_planned > 0 and eps["s"].bytes_from_publishers == 0  # a relays to the spot reader
+    assert hub.counters["bytes_planned.from_publishers.reliable"] == nbytes
+    assert "bytes_planned.from_publishers.spot" not in hub.counters

@@ -84,3 +84,21 @@ def test_shards_map_to_global_chunks_rank_zero_first():
         placed.views[c].copy_(view)
         placed.finish(c)
     assert torch.equal(dst["a"], a["a"]) and torch.equal(dst["b"], b["b"])
+
+
+def test_verify_re_hashes_the_destination_and_names_the_chunk_that_changed():
+    import torch
+
+    from tensorhub_cli.endpoint.layout import lay_out, verify
+
+    src = {"big": torch.arange(300_000, dtype=torch.float32), "small": torch.ones(10), "bias": torch.zeros(3)}
+    manifest, _ = lay_out(src, chunk_bytes=1 << 18, small_bytes=1 << 10)
+    copy = {k: v.clone() for k, v in src.items()}
+    assert verify([manifest], copy) == []
+    copy["big"][200_000] += 1  # a byte in the big tensor's chunk 3 (4-byte floats, 256 KiB chunks)
+    copy["bias"][1] = 5.0  # a byte in the compacted small-tensor chunk
+    problems = verify([manifest], copy)
+    assert len(problems) == 2
+    assert any("chunk 0 (small, bias)" in msg for msg in problems)
+    assert any("(big)" in msg for msg in problems)
+    assert verify([manifest], {"big": copy["big"]})[0].startswith("bias: missing")

@@ -1,0 +1,74 @@
+"""What both runners share: joining the cluster, model flags, and the event stream.
+
+Each runner writes one JSON object per line on stdout for every event (``published``,
+``loaded``, ``failed``, ``done``); ``th bench rl`` and the tests read those lines, so
+what a runner did is data, not log text. Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tensorhub_cli import connect
+
+from .model import ModelConfig
+
+
+def add_common(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("cluster")
+    g.add_argument("--hub", help="tcp://HOST:PORT (with --token-file), or use --cluster")
+    g.add_argument("--token-file", type=Path)
+    g.add_argument("--cluster", help="a cluster started by `th up` (hub, token, place from its state)")
+    g.add_argument("--name", required=True)
+    g.add_argument("--node", required=True)
+    g.add_argument("--host", default="127.0.0.1", help="address to bind and send from (with --hub)")
+    g.add_argument("--dc", default="")
+    g.add_argument("--rack", default="")
+    g.add_argument("--engine", default=None, help="nixl or tcp (default: the cluster's)")
+    g.add_argument("--model-name", default="policy")
+    g.add_argument("--heartbeat-s", type=float, default=0.5)
+    m = ap.add_argument_group("model (must match on every runner)")
+    m.add_argument("--hidden", type=int, default=256)
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--vocab", type=int, default=2048)
+    m.add_argument("--seq", type=int, default=64)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--arch", default="auto", choices=["auto", "llama", "torch"])
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq,
+                       seed=args.seed, arch=args.arch)
+
+
+def join(args, role: str, reliable: bool = True, group: str | None = None):
+    common = dict(name=args.name, node=args.node, role=role, reliable=reliable, group=group,
+                  heartbeat_s=args.heartbeat_s)
+    if args.engine:
+        common["engine"] = args.engine
+    if args.cluster:
+        return connect(cluster=args.cluster, **common)
+    if not args.hub or not args.token_file:
+        raise SystemExit("give --cluster NAME, or --hub tcp://HOST:PORT with --token-file")
+    return connect(hub=args.hub, token=args.token_file.read_text().strip(), host=args.host, dc=args.dc,
+                   rack=args.rack, **common)
+
+
+def emit(event: str, **fields) -> None:
+    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT set the event: the runner finishes its step, closes, exits 0."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+    return stopping

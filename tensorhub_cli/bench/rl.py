@@ -1,0 +1,247 @@
+"""`th bench rl`: the RL loop's three workloads, ours against a baseline in one run.
+
+Each arm starts a hub, one trainer and its rollouts (``runners/``) as processes on
+loopback, reads the events they print (one JSON line each), asks the hub for its
+counters, and stops every process by PID, also on failure. The same model, steps and
+pacing run in both arms; only what the workload's baseline changes differs.
+
+- ``standalone``: every rollout fetches every version. Baseline: a veRL-style global
+  sync stage: the star planner (every byte from the trainer), the trainer waits until
+  every rollout holds the version, and each rollout waits for all the others.
+- ``elastic``: two reliable rollouts run throughout; spot rollouts join one at a time,
+  once the standing ones hold version 1 (then 2), and the first joiner leaves again. Baseline: the star
+  planner, so joiners pull from the trainer only. ``joiners_join_from_trainer_bytes``
+  is what joiners' first fetches of an already replicated version read from the
+  trainer (its send counter for joiners; ``joins_replicated`` of ``joins`` qualified);
+  ``joiners_from_trainer_bytes`` counts all their reads of it, new versions included.
+- ``cross-dc``: trainer and one rollout in dc1, three rollouts in dc2. Baseline: the
+  star planner, so every remote rollout pulls across the DC link.
+
+Loopback has no link rates: the stall figures are CPU- and memory-bound here, and
+``bytes_by_level`` (from the hub's plan counters) is what shows the topology at work.
+
+Reported per arm: ``rollout_stall_s`` (sum over rollouts of the time a new version kept
+them from generating), ``trainer_stall_s`` (sum over steps of time spent on weight
+movement), ``bytes_by_level``, ``versions_loaded``, ``probe_mismatches``; and
+``stall_ratio`` = baseline rollout stall ÷ ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..hub import protocol as p
+from ..hub.client import HubClient
+from ..launch.procs import stop_child
+from .rig import RigError, hub
+
+WORKLOADS = ("standalone", "elastic", "cross-dc")
+LEVELS = ("node", "rack", "dc", "remote")
+
+
+@dataclass
+class Knobs:
+    steps: int = 4
+    rollouts: int = 3
+    hidden: int = 512
+    layers: int = 8
+    step_s: float = 1.5  # the trainer's pace: a step at least this long
+    join_step_s: float = 8.0  # elastic: the pace, so joiners arrive between versions
+    rollout_s: float = 0.3
+    engine: str = "nixl"
+    chunk_mb: float = 4.0
+    timeout_s: float = 600.0
+
+    def model_args(self) -> list[str]:
+        return ["--hidden", str(self.hidden), "--layers", str(self.layers), "--heads", "8"]
+
+
+class Runner:
+    """One runner process; its stdout events collected by a thread, stderr to a file."""
+
+    def __init__(self, name: str, module: str, args: list[str], logdir: Path):
+        self.name = name
+        self.log = logdir / f"{name}.log"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, "--name", name, *args],
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
+        self.events: list[dict] = []
+        self._new: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a library printed to stdout: not an event
+            self.events.append(event)
+            self._new.put(event)
+        self._new.put(None)
+
+    def wait_for(self, event: str, timeout: float, **match) -> dict:
+        """The first ``event`` (matching ``match``) seen so far or arriving within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for e in self.events[seen:]:
+                if e["event"] == "mismatch":
+                    raise RigError(f"{self.name}: probe or checksum mismatch: {e}")
+                if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
+                    return e
+            seen = len(self.events)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RigError(f"{self.name}: no {event} {match or ''} within {timeout:.0f}s; log ends:\n{self.tail()}")
+            try:
+                if self._new.get(timeout=min(left, 1.0)) is None and self.proc.poll() is not None:
+                    if not any(e["event"] == event for e in self.events[seen:]):
+                        raise RigError(f"{self.name} exited ({self.proc.returncode}) before {event}:\n{self.tail()}")
+            except queue.Empty:
+                pass
+
+    def tail(self, chars: int = 2500) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def stop(self) -> None:
+        stop_child(self.proc, timeout=30)
+
+
+@dataclass
+class Arm:
+    name: str
+    planner: str
+    runners: list[Runner] = field(default_factory=list)
+
+
+def _place(node: str, dc: str, rack: str) -> list[str]:
+    return ["--node", node, "--dc", dc, "--rack", rack]
+
+
+def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path) -> dict:
+    planner = "star" if baseline else "ros"
+    token = os.urandom(16).hex()
+    token_file = logdir / "token"
+    token_file.write_text(token)
+    with hub(planner=planner, expiry_s=5.0, token=token) as (address, _):
+        common = ["--hub", address, "--token-file", str(token_file), "--engine", k.engine, *k.model_args()]
+        roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps),
+                "--duration-s", str(k.timeout_s)]
+        runners: list[Runner] = []
+
+        def start(name, module, *args) -> Runner:
+            r = Runner(name, module, [*args], logdir)
+            runners.append(r)
+            return r
+
+        try:
+            trainer = None
+            n = k.rollouts
+            sync = ["--barrier", str(n)] if baseline and workload == "standalone" else []
+            if workload == "cross-dc":
+                places = [("n1", "dc1", "r1")] + [(f"n{i + 2}", "dc2", "r3") for i in range(n)]
+            else:
+                places = [(f"n{i + 1}", "dc1", "r1" if i % 2 else "r2") for i in range(n)]
+            standing = places if workload != "elastic" else places[:2]
+            for i, (node, dc, rack) in enumerate(standing):
+                start(f"rollout-{i}", "runners.rollout", *roll, *sync, *_place(node, dc, rack))
+            for r in runners:  # built, joined and waiting before the first step
+                r.wait_for("started", 120)
+            # Elastic: steps long enough that a joiner (seconds to import and build its
+            # model) arrives while the version it fetches is already replicated.
+            step_s = max(k.step_s, k.join_step_s) if workload == "elastic" else k.step_s
+            trainer = start("trainer", "runners.trainer", *common, *_place("n0", "dc1", "r1"),
+                            "--steps", str(k.steps), "--step-s", str(step_s), "--chunk-mb", str(k.chunk_mb),
+                            "--linger-s", str(k.timeout_s),
+                            *(["--wait-for-readers", str(n)] if sync else []))
+            if workload == "elastic":
+                # Joiners: one after version 1, one after version 2; the first leaves
+                # again once it loaded a version after joining (spot capacity goes away).
+                for j, after in enumerate((1, 2)):
+                    for r in runners[:2]:  # the standing rollouts hold it: replicas exist
+                        r.wait_for("loaded", k.timeout_s, version=after)
+                    node, dc, rack = places[2 + j] if 2 + j < len(places) else (f"n{9 + j}", "dc1", "r2")
+                    joiner = start(f"rollout-spot-{j}", "runners.rollout", *roll, "--spot", *_place(node, dc, rack))
+                    if j == 0:
+                        joiner.wait_for("loaded", k.timeout_s)
+                        joiner.stop()
+            for r in runners:
+                if r is not trainer and r.proc.poll() is None:
+                    r.wait_for("done", k.timeout_s)
+            counters = _counters(address, token)
+            trainer.stop()
+        finally:
+            for r in reversed(runners):
+                r.stop()
+    rollouts = [r for r in runners if r is not trainer]
+    loaded = [e for r in rollouts for e in r.of("loaded")]
+    return {
+        "planner": planner,
+        "rollout_stall_s": round(sum(e["stall_s"] for e in loaded), 4),
+        "trainer_stall_s": round(sum(e["stall_s"] for e in trainer.of("published")), 4),
+        "bytes_by_level": {lv: int(counters.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS},
+        # Every byte spot readers were planned from the trainer, over the whole run (new
+        # versions included), and what their first fetch after joining read from it.
+        "joiners_from_trainer_bytes": int(counters.get("bytes_planned.from_publishers.spot", 0)),
+        **_joins(rollouts),
+        "stall_by_version": {str(v): round(sum(e["stall_s"] for e in loaded if e["version"] == v), 4)
+                             for v in sorted({e["version"] for e in loaded})},
+        "versions_loaded": len(loaded),
+        "max_staleness": max((e["staleness"] for e in loaded), default=0),
+        "probe_mismatches": sum(len(r.of("mismatch")) for r in rollouts),
+        "retries": sum(len(r.of("retry")) for r in rollouts),
+    }
+
+
+def _joins(rollouts: list[Runner]) -> dict:
+    """Joiners' first fetches, split by whether a standing rollout already held that
+    version when the fetch began ("once replicas exist"): only those must read 0 bytes
+    from the trainer. A joiner slow to start may instead meet a version just published,
+    and fetch it alongside everyone else."""
+    standing = [e for r in rollouts if not r.name.startswith("rollout-spot") for e in r.of("loaded")]
+    firsts = [r.of("loaded")[0] for r in rollouts if r.name.startswith("rollout-spot") and r.of("loaded")]
+    replicated = [e for e in firsts if any(s["version"] == e["version"] and s["t"] <= e["began"] for s in standing)]
+    return {"joins": len(firsts), "joins_replicated": len(replicated),
+            "joiners_join_from_trainer_bytes": sum(e["from_publishers"] for e in replicated)}
+
+
+def _counters(address: str, token: str) -> dict[str, float]:
+    client = HubClient(address, token)
+    try:
+        reply = client.call(p.Status(), timeout=10.0)
+    finally:
+        client.close()
+    return reply.counters
+
+
+def run(workload: str, knobs: Knobs | None = None) -> dict:
+    if workload not in WORKLOADS:
+        raise ValueError(f"--workload {workload!r}: not one of {', '.join(WORKLOADS)}")
+    k = knobs or Knobs()
+    with tempfile.TemporaryDirectory(prefix="th-bench-rl-") as tmp:
+        arms = {}
+        for arm, baseline in (("ours", False), ("baseline", True)):
+            logdir = Path(tmp) / arm
+            logdir.mkdir()
+            arms[arm] = run_arm(workload, baseline, k, logdir)
+    ours, base = arms["ours"], arms["baseline"]
+    return {
+        "workload": workload, "ours": ours, "baseline": base,
+        "stall_ratio": round(base["rollout_stall_s"] / ours["rollout_stall_s"], 3) if ours["rollout_stall_s"] else None,
+        "trainer_stall_ratio": round(base["trainer_stall_s"] / ours["trainer_stall_s"], 3)
+        if ours["trainer_stall_s"] else None,
+        "probe_mismatches": ours["probe_mismatches"] + base["probe_mismatches"],
+        "knobs": k.__dict__,
+    }

@@ -1,0 +1,131 @@
+"""The RL loop on a local cluster (`th up`: hub + agents): runners/trainer.py and
+runners/rollout.py as real processes, a real (tiny) transformers or torch model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tensorhub_cli import connect
+from tensorhub_cli.bench.rl import Runner
+
+pytestmark = pytest.mark.integration
+
+TINY = ["--hidden", "64", "--layers", "2", "--vocab", "512"]
+
+
+def th(*args, timeout=90):
+    proc = subprocess.run([sys.executable, "-m", "tensorhub_cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"th {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture
+def cluster(th_home, local_spec, tmp_path):
+    name = yaml.safe_load(local_spec.read_text())["name"]
+    th("up", str(local_spec))
+    runners: list[Runner] = []
+
+    def start(name_, module, node, *args) -> Runner:
+        r = Runner(name_, module, ["--cluster", name, "--node", node, *args], tmp_path)
+        runners.append(r)
+        return r
+
+    yield name, start
+    for r in reversed(runners):
+        r.stop()
+    subprocess.run([sys.executable, "-m", "tensorhub_cli", "down", "-c", name], capture_output=True, timeout=90)
+
+
+def finished(r: Runner, timeout: float = 180) -> dict:
+    done = r.wait_for("done", timeout)
+    assert r.proc.wait(timeout=60) == 0, r.tail()
+    return done
+
+
+def test_every_version_two_rollouts_load_passes_checksum_and_probe(cluster):
+    _, start = cluster
+    rollouts = [start(f"rollout-{i}", "runners.rollout", node, *TINY, "--until-version", "3", "--rollout-s", "0.1")
+                for i, node in enumerate(("node2", "node3"))]
+    for r in rollouts:
+        r.wait_for("started", 120)
+    trainer = start("trainer", "runners.trainer", "node1", *TINY, "--steps", "3", "--step-s", "1.0", "--linger-s", "60")
+    for r in rollouts:
+        finished(r)
+        loaded = r.of("loaded")
+        assert loaded[-1]["version"] == 3
+        assert [e["version"] for e in loaded] == sorted({e["version"] for e in loaded})  # each once, in order
+        assert all(e["probe_ok"] and e["corrupt"] == 0 for e in loaded)
+        assert not r.of("mismatch")
+    assert [e["version"] for e in trainer.of("published")] == [1, 2, 3]
+
+
+def test_a_rollout_stops_on_weights_whose_probe_is_not_the_trainers(cluster):
+    """The check can fail: a version whose probe does not match its weights stops the
+    rollout with exit 3 before it generates, never with a warning."""
+    name, start = cluster
+    from runners import model as M
+
+    M.deterministic()
+    cfg = M.ModelConfig(hidden=64, layers=2, vocab=512)
+    net = M.build(cfg)
+    wrong = M.probe(net) + 1e-3
+    with connect(cluster=name, name="fake-trainer", node="node1", role="trainer") as ep:
+        ep.publish("policy", 1, {**M.weights(net), M.PROBE: wrong})
+        r = start("rollout-0", "runners.rollout", "node2", *TINY, "--until-version", "1")
+        assert r.proc.wait(timeout=120) == 3, r.tail()
+        mismatch = r.of("mismatch")
+        assert mismatch and mismatch[0]["version"] == 1 and mismatch[0]["problems"] == []
+        assert 0 < mismatch[0]["probe_max_abs_diff"] <= 2e-3
+        assert not r.of("loaded")
+
+
+def test_in_place_publish_never_lets_a_rollout_read_a_half_updated_parameter(cluster):
+    """The optimizer step is spread over 0.8 s (one parameter at a time) while rollouts
+    keep fetching. Unpublish-drain before the step means no read ever sees a mix: no
+    chunk fails its checksum, every loaded version passes the probe. The run must
+    actually overlap fetches with steps, or it proves nothing."""
+    _, start = cluster
+    model = ["--hidden", "256", "--layers", "4", "--vocab", "512"]
+    rollouts = [start(f"rollout-{i}", "runners.rollout", node, *model, "--until-version", "4", "--rollout-s", "0.05",
+                      "--fetch-timeout-s", "30") for i, node in enumerate(("node2", "node3"))]
+    for r in rollouts:
+        r.wait_for("started", 120)
+    trainer = start("trainer", "runners.trainer", "node1", *model, "--steps", "4", "--publish-mode", "in-place",
+                    "--slow-step-s", "0.8", "--step-s", "0", "--linger-s", "60", "--chunk-mb", "1")
+    for r in rollouts:
+        finished(r, 150)
+    steps = [(e["step_began"], e["step_ended"]) for e in trainer.of("published")]
+    attempts = [(e["began"], e["t"]) for r in rollouts for e in r.of("loaded") + r.of("retry")]
+    overlapped = [a for a in attempts for s in steps if a[0] < s[1] and s[0] < a[1]]
+    assert overlapped, f"no fetch overlapped an optimizer step: steps {steps}, fetches {attempts}"
+    for r in rollouts:
+        assert not r.of("mismatch")
+        assert all(e["corrupt"] == 0 and e["probe_ok"] for e in r.of("loaded"))
+        assert not [e for e in r.of("retry") if "checksum" in e["reason"]]
+        assert r.of("loaded")[-1]["version"] == 4
+
+
+def test_an_elastic_joiner_reaches_latest_without_reading_from_the_trainer(cluster):
+    """Contract: once replicas exist, a joiner fetches from them; the trainer's send
+    counter (bytes read from a publisher) stays at 0 for it."""
+    name, start = cluster
+    standing = start("rollout-0", "runners.rollout", "node2", *TINY, "--rollout-s", "0.1", "--duration-s", "120")
+    standing.wait_for("started", 120)
+    trainer = start("trainer", "runners.trainer", "node1", *TINY, "--steps", "2", "--step-s", "0.5",
+                    "--linger-s", "120")
+    trainer.wait_for("done", 120)
+    standing.wait_for("loaded", 60, version=2)
+    joiner = start("rollout-spot-0", "runners.rollout", "node3", *TINY, "--spot", "--until-version", "2")
+    finished(joiner)
+    first = joiner.of("loaded")[0]
+    assert first["version"] == 2 and first["bytes"] > 0
+    assert first["from_publishers"] == 0, first
+    status = json.loads(th("status", "-c", name, "--json").stdout)
+    assert status["status"]["counters"].get("bytes_planned.from_publishers.spot", 0) == 0
