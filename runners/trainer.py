@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ep = join(args, "trainer")
     emit("started", name=args.name, model=M.describe(cfg, net), mode=args.publish_mode, rank=args.rank,
          world=args.world)
-    published: list[int] = []
+    published: list[int] = []  # versions we hold published, newest first
+    last = 0  # the newest version published
     chunk = int(args.chunk_mb * (1 << 20))
     try:
         for step in range(1, args.steps + 1):
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = {**state, M.PROBE: probe.clone() if pool is not None else probe}
             ep.publish(args.model_name, step, state, shard=(args.rank, args.world), chunk_bytes=chunk)
             published.insert(0, step)
+            last = step
             publish_s = time.monotonic() - t0
             stall += publish_s
             if args.wait_for_readers:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             rest = args.step_s - (time.monotonic() - began)
             if rest > 0:
                 stopping.wait(rest)
-        emit("done", versions=step if args.steps else 0)
+        emit("done", versions=last)
         stopping.wait(args.linger_s)
     finally:
         ep.close(drain_timeout=30.0)
