@@ -1,7 +1,7 @@
 """`th`: the command line. Commands parse, call one module, print; no logic lives here.
 
 Exit codes: 0 ok; 1 the operation failed (hub unreachable, start-up timed out);
-2 bad input (spec problems, unknown cluster or node); 3 not available yet.
+2 bad input (spec problems, unknown cluster, node or role).
 """
 
 from __future__ import annotations
@@ -434,15 +434,36 @@ def logs(node: str = typer.Argument(..., help="node name, or 'hub'"), cluster: O
         pass
 
 
-def _not_yet(name: str, issue: str):
-    def command(ctx: typer.Context) -> None:
-        fail(f"th {name}: not available yet (lands with the {issue} issue)", 3)
+def _operate(cluster: Optional[str], as_json: bool, action) -> None:
+    from .launch.scale import BadInput, ScaleError, run
 
-    app.command(name, help=f"(not available yet: lands with the {issue} issue)", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+    name, state = _load_running(cluster)
+    try:
+        outcome = run(name, state, action, log=(lambda *_: None) if as_json else
+                      (lambda line: err.print(line, highlight=False, markup=False)))
+    except ScaleError as exc:
+        fail(f"th: {exc}", 2 if isinstance(exc, BadInput) else 1)
+    if as_json:
+        print(json.dumps(outcome.as_dict()))
+    else:
+        for what in ("stopped", "drained", "started"):
+            names = getattr(outcome, what)
+            out.print(f"{what}: {', '.join(names) if names else '-'}", highlight=False)
 
 
-for _name, _issue in (("scale", "RL-loop"), ("failover", "RL-loop")):
-    _not_yet(_name, _issue)
+@app.command()
+def scale(change: str = typer.Argument(..., help="ROLE=COUNT, ROLE+N or ROLE-N, e.g. rollout=4"),
+          cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Start or stop runners of a role on nodes with room; leavers unpublish with drain (and retention)."""
+    _operate(cluster, as_json, lambda op: op.scale(change))
+
+
+@app.command()
+def failover(node: str = typer.Argument(..., help="the node to take out of service"),
+             replace_with: Optional[str] = typer.Option(None, "--replace-with", help="where its runners go"),
+             cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Drain NODE's replicas (retention first), stop its runners and agent, start the runners elsewhere."""
+    _operate(cluster, as_json, lambda op: op.failover(node, replace_with))
 
 
 def main() -> None:

@@ -60,6 +60,10 @@ class Commands:
             action="load", model=op.model, version=op.version, path=op.path, chunk_bytes=op.chunk_bytes)))
         return p.Ok()
 
+    def note(self, now: float, op: p.Note) -> p.Ok:
+        self.event(now, op.kind[:40], op.endpoint[:200], message=op.message[:500])
+        return p.Ok()
+
     def report(self, now: float, op: p.Report) -> p.Ok:
         self._endpoint(op.name)
         self.event(now, op.kind, op.name, op.model, op.version, op.message[:500])

@@ -189,8 +189,17 @@ class Versions(Msg, tag="versions"):
     model: Optional[str] = None
 
 
+class Note(Msg, tag="note"):
+    """An operator command (``th scale``, ``th failover``) records what it did, so the
+    hub's event log (``th status``) tells the whole story, not only the endpoints' part."""
+
+    kind: str  # scaled, failed_over
+    message: str
+    endpoint: str = ""
+
+
 Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions,
-           Sync, Load, Report]
+           Sync, Load, Report, Note]
 
 
 class Request(Msg):

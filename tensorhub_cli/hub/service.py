@@ -39,6 +39,7 @@ _DISPATCH = {
     p.Sync: "sync",
     p.Load: "load_checkpoint",  # (Hub.load is the per-source read count)
     p.Report: "report",
+    p.Note: "note",
 }
 _CONTROL = (p.Register, p.Heartbeat)  # an endpoint's service socket: where pushes go
 

@@ -163,12 +163,14 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
 
 
 def down_state(state: ClusterState, launcher, log=print) -> list[tuple[str, str, str]]:
-    """Agents first (in parallel, so they can deregister while the hub is up), then the hub."""
-    agents = [r for r in state.procs if r.role != "hub"]
+    """Runners first, then agents (each batch in parallel, so they can deregister while
+    the hub is up), then the hub."""
+    runners = [r for r in state.procs if r.role not in ("hub", "agent")]
+    agents = [r for r in state.procs if r.role == "agent"]
     hubs = [r for r in state.procs if r.role == "hub"]
     results = []
     try:
-        for batch in (agents, hubs):
+        for batch in (runners, agents, hubs):
             if not batch:
                 continue
             with ThreadPoolExecutor(max(1, min(launcher.parallel, len(batch)))) as pool:

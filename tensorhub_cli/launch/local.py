@@ -51,8 +51,8 @@ class LocalLauncher:
     def alive(self, rec: ProcRecord) -> bool:
         return is_ours(rec)
 
-    def stop(self, rec: ProcRecord) -> str:
-        return stop(rec)
+    def stop(self, rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
+        return stop(rec, timeout, sig)
 
     def log_tail(self, rec: ProcRecord, lines: int = 8) -> str:
         return log_tail(rec.log, lines)

@@ -96,11 +96,12 @@ def spawn(role: str, node: str, argv: list[str], log: Path, marker: str, env: di
     return ProcRecord(role=role, node=node, pid=proc.pid, starttime=start, marker=marker, log=str(log))
 
 
-def stop(rec: ProcRecord, timeout: float = 5.0) -> str:
-    """SIGTERM, then SIGKILL after ``timeout``. Returns what happened, for the user."""
+def stop(rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
+    """SIG``sig`` (TERM; USR1 asks an agent to drain first), then SIGKILL after
+    ``timeout``. Returns what happened, for the user."""
     if not is_ours(rec):
         return "not running"
-    os.kill(rec.pid, signal.SIGTERM)
+    os.kill(rec.pid, getattr(signal, f"SIG{sig}"))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _reap(rec.pid)

@@ -249,11 +249,13 @@ class SshLauncher:
         stat, _, cmdline = out.partition("\n")
         return rc == 0 and bool(stat) and matches(rec, stat, cmdline)
 
-    def stop(self, rec: ProcRecord, timeout: float = 5.0) -> str:
+    def stop(self, rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
+        if sig not in ("TERM", "USR1"):
+            raise ValueError(f"signal {sig!r}: only TERM or USR1")
         try:
             if not self.alive(rec):
                 return "not running"
-            self.session(rec.node).run(f"kill -TERM {rec.pid}")
+            self.session(rec.node).run(f"kill -{sig} {rec.pid}")
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if not self.alive(rec):

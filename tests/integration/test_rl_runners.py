@@ -129,3 +129,67 @@ def test_an_elastic_joiner_reaches_latest_without_reading_from_the_trainer(clust
     assert first["from_publishers"] == 0, first
     status = json.loads(th("status", "-c", name, "--json").stdout)
     assert status["status"]["counters"].get("bytes_planned.from_publishers.spot", 0) == 0
+
+
+def _versions(name):
+    return {v["version"]: v for v in json.loads(th("versions", "-c", name, "--json").stdout)}
+
+
+def _wait(what, check, timeout=120):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_scale_and_failover_keep_every_retained_version_ready(th_home, local_spec):
+    """`th scale` starts runners where the spec allows; `th failover` of the node with
+    the only reliable rollout drains it (retention pulls a host copy first), restarts
+    its rollout elsewhere, and every version the policy keeps (keep_latest 2) stays
+    READY with a reliable copy. The trainer has finished and left: no copy of its own
+    keeps the versions up."""
+    doc = yaml.safe_load(local_spec.read_text())
+    name = doc["name"]
+    nodes = doc["topology"]["datacenters"][0]["racks"][0]["nodes"]
+    nodes[0]["gpus"] = 2  # node1: room for the trainer and one rollout
+    doc["roles"]["trainer"]["runner"] = {"command": "runners.trainer",
+                                         "args": [*TINY, "--steps", "3", "--step-s", "1.0", "--linger-s", "0"]}
+    doc["roles"]["rollout"]["select"] = {"nodes": ["node2", "node3", "node1"]}
+    doc["roles"]["rollout"]["runner"] = {"command": "runners.rollout", "args": [*TINY, "--rollout-s", "0.1"]}
+    local_spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    th("up", str(local_spec))
+    try:
+        up = json.loads(th("scale", "rollout=2", "-c", name, "--json", timeout=200).stdout)
+        assert sorted(up["started"]) == ["rollout-node2", "rollout-node3"]  # fewest runners first, then select order
+        th("scale", "trainer+1", "-c", name, timeout=200)
+
+        def settled():
+            vs = _versions(name)
+            v3 = vs.get(3)
+            holders = {h["name"] for h in v3["holders"] if h["complete"]} if v3 else set()
+            return v3 and v3["state"] == "READY" and {"rollout-node2", "rollout-node3"} <= holders \
+                and not any(n.startswith("trainer") for v in vs.values() for n in (h["name"] for h in v["holders"]))
+        _wait("both rollouts holding version 3, the trainer gone", settled)
+
+        moved = json.loads(th("failover", "node2", "-c", name, "--json", timeout=400).stdout)
+        assert moved == {"stopped": ["rollout-node2"], "drained": ["agent-node2"], "started": ["rollout-node1"]}
+        vs = _versions(name)
+        assert sorted(vs) == [2, 3] and all(v["state"] == "READY" and v["reliable_copies"] >= 1 for v in vs.values()), vs
+        for v in vs.values():
+            assert not any(h["name"].endswith("node2") for h in v["holders"]), v["holders"]
+        _wait("the replacement holding version 3", lambda: "rollout-node1" in {
+            h["name"] for h in _versions(name)[3]["holders"] if h["complete"]})
+        status = json.loads(th("status", "-c", name, "--json").stdout)["status"]
+        kinds = [e["kind"] for e in status["events"]]
+        assert "scaled" in kinds and "failed_over" in kinds
+
+        down = json.loads(th("scale", "rollout-1", "-c", name, "--json", timeout=200).stdout)
+        assert down["stopped"] == ["rollout-node1"]  # the newest leaves first
+        assert all(v["state"] == "READY" for v in _versions(name).values())
+    finally:
+        subprocess.run([sys.executable, "-m", "tensorhub_cli", "down", "-c", name], capture_output=True, timeout=200)

@@ -1,4 +1,4 @@
-"""The command surface: every DESIGN.md command exists; unlanded ones say so (exit 3)."""
+"""The command surface: every DESIGN.md command exists and refuses bad input by name."""
 
 from __future__ import annotations
 
@@ -21,10 +21,26 @@ def test_help_lists_every_command():
 
 
 @pytest.mark.parametrize("argv", [["scale", "rollout=4"], ["failover", "node2"]])
-def test_unlanded_commands_exit_3(argv):
+def test_scale_and_failover_need_a_running_cluster(th_home, argv):
     result = runner.invoke(app, argv)
-    assert result.exit_code == 3
-    assert "not available yet" in result.output
+    assert result.exit_code == 2
+    assert "no cluster is running" in result.output
+
+
+def test_scale_changes_are_parsed_against_the_spec_by_name():
+    from pathlib import Path
+
+    from tensorhub_cli.launch.scale import BadInput, parse_change
+    from tensorhub_cli.spec import load
+
+    spec = load(Path(__file__).resolve().parents[2] / "specs" / "local.yaml")
+    assert parse_change("rollout=4", spec, {"rollout": 2}).target == 4
+    assert parse_change("rollout+1", spec, {"rollout": 2}).target == 3
+    assert parse_change("rollout-2", spec, {"rollout": 2}).target == 0
+    for text, needle in (("rollout-3", "cannot go below 0"), ("critic=2", "role 'critic' is not in the spec"),
+                         ("agent=2", "not scaled"), ("rollout", "expected ROLE=COUNT")):
+        with pytest.raises(BadInput, match=needle):
+            parse_change(text, spec, {"rollout": 2})
 
 
 @pytest.mark.parametrize("argv, needle", [

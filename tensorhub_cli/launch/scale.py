@@ -1,0 +1,279 @@
+"""`th scale` and `th failover`: runners started and stopped on a running cluster.
+
+A runner is a process of a role in the spec (``roles:``): ``runners.trainer`` for
+``trainer``, ``runners.rollout`` for ``rollout``, or the module ``runner.command``
+names, with ``runner.args`` after ours. It is started by the cluster's launcher
+(local or ssh) like an agent, recorded in ``state.json`` (so ``th down`` stops it by
+PID), and named ``ROLE-NODE`` as an endpoint.
+
+Protocol of ``scale(ROLE=COUNT | ROLE+N | ROLE-N)``:
+
+- up: pick nodes the role's ``select`` allows, whose agent is alive, with room (a
+  node runs at most ``max(1, gpus)`` runners), fewest runners first, then in the order
+  ``select.nodes`` lists them; start one per node; wait until each has registered with the hub. If any fails, the ones this call
+  started are stopped again and the error shows the failed one's log tail: all or
+  nothing.
+- down: stop the newest runners of the role with SIGTERM and a long grace: a runner
+  closes its endpoint, which unpublishes each replica with drain, and retention pulls
+  a copy first where the policy needs one (contract 4), so leaving loses nothing.
+
+Protocol of ``failover(NODE, replace_with)``: stop the node's runners (drained as
+above), then ask its agent to drain its host copies and leave (SIGUSR1), then start
+each stopped runner's role again on ``replace_with`` or any node with room. The report
+lists what moved; every READY version stays READY throughout, as long as another
+live endpoint can hold a copy.
+
+Both record a ``scaled`` / ``failed_over`` event in the hub's log (``th status``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from ..hub import protocol as p
+from ..hub.client import HubClient, HubError, HubUnreachable
+from ..spec import ClusterSpec, PlacedNode, load
+from .cluster import launcher_for
+from .procs import ProcRecord
+from .state import ClusterState, cluster_dir, read_token, write_state
+
+MODULES = {"trainer": "runners.trainer", "rollout": "runners.rollout"}
+CORE_ROLES = ("hub", "agent")
+DRAIN_GRACE_S = 120.0  # a leaving runner's unpublish-drain (and any retention pull) may take this long
+REGISTER_TIMEOUT_S = 120.0  # a runner imports torch (and transformers) before it registers
+
+
+class ScaleError(Exception):
+    pass
+
+
+class BadInput(ScaleError):
+    """The request names something the cluster does not have (exit 2, not 1)."""
+
+
+@dataclass
+class Change:
+    role: str
+    target: int
+
+
+@dataclass
+class Outcome:
+    started: list[str] = field(default_factory=list)  # "role-node"
+    stopped: list[str] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)  # agents that drained their copies
+
+    def as_dict(self) -> dict:
+        return {"started": self.started, "stopped": self.stopped, "drained": self.drained}
+
+
+def parse_change(text: str, spec: ClusterSpec, current: dict[str, int]) -> Change:
+    m = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*([=+-])\s*(\d+)", text.strip())
+    if not m:
+        raise BadInput(f"{text!r}: expected ROLE=COUNT, ROLE+N or ROLE-N (e.g. rollout=4)")
+    role, op, n = m.group(1), m.group(2), int(m.group(3))
+    if role in CORE_ROLES:
+        raise BadInput(f"{role!r}: the cluster's own processes are not scaled; `th up`/`th down` manage them")
+    if role not in spec.roles:
+        raise BadInput(f"role {role!r} is not in the spec's roles (roles: {', '.join(sorted(spec.roles)) or 'none'})")
+    if role not in MODULES and spec.roles[role].runner is None:
+        raise BadInput(f"roles.{role}.runner: no runner module for role {role!r}; set runner.command")
+    have = current.get(role, 0)
+    target = n if op == "=" else have + n if op == "+" else have - n
+    if target < 0:
+        raise BadInput(f"{text}: {role} has {have} runner(s); cannot go below 0")
+    return Change(role, target)
+
+
+def _runners(state: ClusterState) -> list[ProcRecord]:
+    return [r for r in state.procs if r.role not in CORE_ROLES]
+
+
+def _allowed(spec: ClusterSpec, role: str, node: PlacedNode) -> bool:
+    sel = spec.roles[role].select
+    if sel.nodes is not None and node.spec.name not in sel.nodes:
+        return False
+    return all(node.spec.labels.get(k) == v for k, v in (sel.labels or {}).items())
+
+
+def _room(node: PlacedNode, state: ClusterState) -> int:
+    return max(1, node.spec.gpus) - sum(r.node == node.spec.name for r in _runners(state))
+
+
+class Operator:
+    """One `th scale`/`th failover` call: the cluster's spec, state, launcher and hub."""
+
+    def __init__(self, name: str, state: ClusterState, log=print):
+        self.name, self.state, self.log = name, state, log
+        self.spec = load(cluster_dir(name) / "spec.yaml")
+        self.launcher = launcher_for(state.launcher, self.spec, cluster_dir(name))
+        self.token = read_token(name)
+        self.hub = HubClient(state.hub_address, self.token)
+
+    def close(self) -> None:
+        self.hub.close()
+        self.launcher.close()
+
+    def status(self) -> p.StatusReply:
+        try:
+            return self.hub.call(p.Status(), timeout=5.0)
+        except (HubUnreachable, HubError) as exc:
+            raise ScaleError(f"hub at {self.state.hub_address}: {exc}") from None
+
+    def note(self, kind: str, message: str, endpoint: str = "") -> None:
+        try:
+            self.hub.call(p.Note(kind=kind, message=message, endpoint=endpoint), timeout=5.0)
+        except (HubUnreachable, HubError) as exc:
+            self.log(f"(event not recorded at the hub: {exc})")
+
+    def prune(self) -> None:
+        """Forget runners that exited on their own (a trainer that finished): they hold
+        no room and nothing to stop."""
+        gone = [r for r in _runners(self.state) if not self.launcher.alive(r)]
+        for rec in gone:
+            self.state.procs.remove(rec)
+            self.log(f"{rec.role:<8} {rec.node:<12} had exited (pid {rec.pid}); forgotten")
+        if gone:
+            write_state(self.state)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in _runners(self.state):
+            out[r.role] = out.get(r.role, 0) + 1
+        return out
+
+    # --- starting ----------------------------------------------------------------
+
+    def _args(self, role: str, node: PlacedNode) -> tuple[str, list[str]]:
+        runner = self.spec.roles[role].runner
+        module = runner.command if runner else MODULES[role]
+        args = ["--hub", self.state.hub_address, "--token-file", self.launcher.token_path(node, self.token),
+                "--name", f"{role}-{node.spec.name}", "--node", node.spec.name, "--host", node.spec.address,
+                "--dc", node.dc, "--rack", node.rack, "--engine", self.spec.engine,
+                "--heartbeat-s", str(self.spec.hub.heartbeat_s)]
+        if role == "rollout" and node.spec.spot:
+            args.append("--spot")
+        return module, args + (runner.args if runner else [])
+
+    def _candidates(self, role: str, alive_agents: set[str], exclude: set[str] = frozenset()) -> list[PlacedNode]:
+        nodes = [n for n in self.spec.nodes() if n.spec.name not in exclude and _allowed(self.spec, role, n)
+                 and n.spec.name in alive_agents and _room(n, self.state) > 0]
+        # Least busy first; among equals, the order ``select.nodes`` lists (else the spec's).
+        order = self.spec.roles[role].select.nodes or [n.spec.name for n in self.spec.nodes()]
+        busy = {n.spec.name: sum(r.node == n.spec.name for r in _runners(self.state)) for n in nodes}
+        return sorted(nodes, key=lambda n: (busy[n.spec.name], order.index(n.spec.name)))
+
+    def start(self, role: str, nodes: list[PlacedNode]) -> list[ProcRecord]:
+        """Start one runner per node and wait for each to register; all or nothing."""
+        started: list[ProcRecord] = []
+        try:
+            for node in nodes:
+                module, args = self._args(role, node)
+                rec = self.launcher.start(node, role, module, args)
+                started.append(rec)
+                self.state.procs.append(rec)
+                write_state(self.state)
+                self.log(f"{role:<8} {node.spec.name:<12} started (pid {rec.pid})")
+            self._await_registered(started)
+        except BaseException:
+            for rec in started:
+                self.launcher.stop(rec, timeout=10.0)
+                self.state.procs.remove(rec)
+            write_state(self.state)
+            raise
+        return started
+
+    def _await_registered(self, recs: list[ProcRecord]) -> None:
+        want = {f"{r.role}-{r.node}": r for r in recs}
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while want:
+            seen = {e.name for e in self.status().endpoints if e.alive}
+            want = {n: r for n, r in want.items() if n not in seen}
+            for name, rec in want.items():
+                if not self.launcher.alive(rec):
+                    raise ScaleError(f"{name} exited before registering; its log ends:\n{self.launcher.log_tail(rec)}")
+            if want and time.monotonic() > deadline:
+                raise ScaleError(f"{', '.join(sorted(want))}: not registered within {REGISTER_TIMEOUT_S:.0f}s")
+            time.sleep(0.2)
+
+    # --- stopping ----------------------------------------------------------------
+
+    def stop(self, recs: list[ProcRecord], sig: str = "TERM") -> list[str]:
+        out = []
+        for rec in recs:
+            how = self.launcher.stop(rec, timeout=DRAIN_GRACE_S, sig=sig)
+            if how.startswith("unknown"):
+                raise ScaleError(f"{rec.role} on {rec.node}: {how}; it stays recorded")
+            self.state.procs.remove(rec)
+            write_state(self.state)
+            self.log(f"{rec.role:<8} {rec.node:<12} {how}")
+            out.append(f"{rec.role}-{rec.node}")
+        return out
+
+    # --- the two commands --------------------------------------------------------------
+
+    def scale(self, text: str) -> Outcome:
+        self.prune()
+        change = parse_change(text, self.spec, self.counts())
+        mine = [r for r in _runners(self.state) if r.role == change.role]
+        outcome = Outcome()
+        if change.target > len(mine):
+            alive = {e.node for e in self.status().endpoints if e.kind == "agent" and e.alive}
+            nodes = self._candidates(change.role, alive)[:change.target - len(mine)]
+            if len(nodes) < change.target - len(mine):
+                raise ScaleError(f"{change.role}: {change.target - len(mine)} more wanted, {len(nodes)} node(s) "
+                                 "have room (select, live agent, at most max(1, gpus) runners each); nothing started")
+            outcome.started = [f"{r.role}-{r.node}" for r in self.start(change.role, nodes)]
+        elif change.target < len(mine):
+            outcome.stopped = self.stop(mine[change.target:][::-1])
+        self.note("scaled", f"{change.role}: {len(mine)} -> {change.target}; started {outcome.started or '-'}, "
+                            f"stopped {outcome.stopped or '-'}")
+        return outcome
+
+    def failover(self, node: str, replace_with: str | None) -> Outcome:
+        names = {n.spec.name for n in self.spec.nodes()}
+        if node not in names:
+            raise BadInput(f"node {node!r} is not in cluster {self.name!r} (nodes: {', '.join(sorted(names))})")
+        if replace_with is not None and replace_with not in names:
+            raise BadInput(f"--replace-with: node {replace_with!r} is not in cluster {self.name!r}")
+        if replace_with == node:
+            raise BadInput("--replace-with: must be another node than the one failed over")
+        self.prune()
+        outcome = Outcome()
+        runners = [r for r in _runners(self.state) if r.node == node]
+        alive = {e.node for e in self.status().endpoints if e.kind == "agent" and e.alive} - {node}
+        # Where each role goes, decided before anything stops: a failover that cannot
+        # place its runners changes nothing.
+        plan: list[tuple[str, PlacedNode]] = []
+        taken: dict[str, int] = {}
+        for rec in runners:
+            pool = [self.spec.node(replace_with)] if replace_with else self._candidates(rec.role, alive, {node})
+            pool = [n for n in pool if _allowed(self.spec, rec.role, n)
+                    and _room(n, self.state) - taken.get(n.spec.name, 0) > 0]
+            if not pool:
+                raise ScaleError(f"{rec.role} on {node}: no node with room to take it "
+                                 f"({'--replace-with ' + replace_with if replace_with else 'none selectable'}); "
+                                 "nothing changed")
+            plan.append((rec.role, pool[0]))
+            taken[pool[0].spec.name] = taken.get(pool[0].spec.name, 0) + 1
+        outcome.stopped = self.stop(runners)
+        agent = next((r for r in self.state.procs if r.role == "agent" and r.node == node), None)
+        if agent is not None:
+            self.log(f"agent    {node:<12} draining its copies (retention pulls elsewhere first) …")
+            self.stop([agent], sig="USR1")
+            outcome.drained = [f"agent-{node}"]
+        for role, target in plan:
+            outcome.started += [f"{r.role}-{r.node}" for r in self.start(role, [target])]
+        self.note("failed_over", f"{node}: stopped {outcome.stopped or '-'}, drained {outcome.drained or '-'}, "
+                                 f"started {outcome.started or '-'}", endpoint=f"agent-{node}")
+        return outcome
+
+
+def run(name: str, state: ClusterState, action, log=print) -> Outcome:
+    op = Operator(name, state, log)
+    try:
+        return action(op)
+    finally:
+        op.close()
