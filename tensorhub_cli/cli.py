@@ -311,8 +311,8 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
           reps: int = typer.Option(3, min=1, help="p2p: repetitions (medians are reported)"),
           window: int = typer.Option(0, min=0, help="p2p/fanout: reads in flight per reader (default 4 / 2)"),
           engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp"),
-          testbed: bool = typer.Option(False, "--testbed", help="fanout: on an 8-node namespace testbed it builds "
-                                       "and removes (root; readers 1,3,7 by default)"),
+          testbed: bool = typer.Option(False, "--testbed", help="fanout, rl: on an 8-node namespace testbed it "
+                                       "builds and removes (root; fanout readers 1,3,7 by default)"),
           node_gbps: Optional[float] = typer.Option(None, min=0.001, help="fanout --testbed: node link rate"),
           rl_workload: str = typer.Option("standalone", "--workload", help="rl: standalone, elastic or cross-dc"),
           steps: int = typer.Option(4, min=1, help="rl: trainer steps (= versions)"),
@@ -324,7 +324,7 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
     if workload not in BENCH_WORKLOADS:
         fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
     if workload == "rl":
-        _bench_rl(rl_workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout)
+        _bench_rl(rl_workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout, testbed)
         return
     if plot is not None and workload != "fanout":
         fail(f"th bench {workload}: --plot: this workload has no chart", 2)
@@ -391,7 +391,7 @@ def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]
         err.print(f"wrote {plot}", highlight=False)
 
 
-def _bench_rl(workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout) -> None:
+def _bench_rl(workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout, on_testbed) -> None:
     from .bench import rl
     from .bench.rig import RigError
 
@@ -402,13 +402,13 @@ def _bench_rl(workload, as_json, plot, steps, rollouts, hidden, layers, step_s, 
     if hidden % 8:
         fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
     if not as_json:
-        err.print(f"bench rl {workload}: trainer + {rollouts} rollouts on loopback, ours then baseline …",
-                  highlight=False)
+        where = "an 8-node testbed (built now, removed after)" if on_testbed else "loopback"
+        err.print(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", highlight=False)
     knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
                      timeout_s=timeout)
     try:
-        result = rl.run(workload, knobs)
-    except (RigError, RuntimeError, OSError) as exc:
+        result = rl.run(workload, knobs, on_testbed=on_testbed)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
         fail(f"th bench rl: {exc}", 1)
     _show_bench("rl", result, as_json, plot)
     if result["probe_mismatches"]:

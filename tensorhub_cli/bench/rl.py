@@ -17,8 +17,11 @@ pacing run in both arms; only what the workload's baseline changes differs.
 - ``cross-dc``: trainer and one rollout in dc1, three rollouts in dc2. Baseline: the
   star planner, so every remote rollout pulls across the DC link.
 
-Loopback has no link rates: the stall figures are CPU- and memory-bound here, and
+Loopback has no link rates: the stall figures are CPU- and memory-bound there, and
 ``bytes_by_level`` (from the hub's plan counters) is what shows the topology at work.
+``--testbed`` runs the same on the namespace testbed (shaped links, each runner inside
+its node): trainer on n1, rollouts spread over racks, or for cross-dc one rollout in
+the trainer's DC and the rest in the other.
 
 Reported per arm: ``rollout_stall_s`` (sum over rollouts of the time a new version kept
 them from generating), ``trainer_stall_s`` (sum over steps of time spent on weight
@@ -28,6 +31,7 @@ movement), ``bytes_by_level``, ``versions_loaded``, ``probe_mismatches``; and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -43,6 +47,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient
 from ..launch.procs import stop_child
 from .rig import RigError, hub
+from .testbed import Site, testbed
 
 WORKLOADS = ("standalone", "elastic", "cross-dc")
 LEVELS = ("node", "rack", "dc", "remote")
@@ -55,7 +60,7 @@ class Knobs:
     hidden: int = 512
     layers: int = 8
     step_s: float = 1.5  # the trainer's pace: a step at least this long
-    join_step_s: float = 8.0  # elastic: the pace, so joiners arrive between versions
+    join_step_s: float = 15.0  # elastic: the pace, so joiners (5-10 s to start) arrive between versions
     rollout_s: float = 0.3
     engine: str = "nixl"
     chunk_mb: float = 4.0
@@ -66,15 +71,17 @@ class Knobs:
 
 
 class Runner:
-    """One runner process; its stdout events collected by a thread, stderr to a file."""
+    """One runner process; its stdout events collected by a thread, stderr to a file.
+    ``prefix`` runs it elsewhere (inside a testbed node: ``scripts/testbed exec``)."""
 
-    def __init__(self, name: str, module: str, args: list[str], logdir: Path):
+    def __init__(self, name: str, module: str, args: list[str], logdir: Path, prefix: list[str] | None = None):
         self.name = name
         self.log = logdir / f"{name}.log"
         with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, "--name", name, *args],
+            self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", module, "--name", name, *args],
                                          stdout=subprocess.PIPE, stderr=err, text=True)
         self.events: list[dict] = []
+        self.remote = False  # runs in another DC than the trainer
         self._new: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -126,23 +133,78 @@ class Arm:
     runners: list[Runner] = field(default_factory=list)
 
 
-def _place(node: str, dc: str, rack: str) -> list[str]:
-    return ["--node", node, "--dc", dc, "--rack", rack]
+@dataclass
+class Layout:
+    """Where the trainer and rollouts run: loopback names with a made-up topology, or
+    testbed nodes (their real addresses, racks and DCs, entered through ``site``)."""
+
+    trainer: str
+    rollouts: list[str]  # standing ones first, then joiners (elastic)
+    site: Site = field(default_factory=Site)
+    places: dict[str, tuple[str, str]] = field(default_factory=dict)  # loopback: node -> (dc, rack)
+
+    def dc(self, node: str) -> str:
+        if self.site.state:
+            return next(x["dc"] for x in self.site.state["nodes"] if x["name"] == node)
+        return self.places[node][0]
+
+    def flags(self, node: str) -> list[str]:
+        if self.site.state:
+            return self.site.place(node)
+        dc, rack = self.places[node]
+        return ["--node", node, "--dc", dc, "--rack", rack]
 
 
-def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path) -> dict:
+def rollout_count(workload: str, n: int) -> int:
+    """Rollout processes a workload runs: n; cross-dc one more in the trainer's DC;
+    elastic two standing and two joiners."""
+    return {"cross-dc": n + 1, "elastic": 4}.get(workload, n)
+
+
+def loopback_layout(workload: str, n: int) -> Layout:
+    if workload == "cross-dc":
+        places = {"n1": ("dc1", "r1")} | {f"n{i + 2}": ("dc2", "r3") for i in range(n)}
+    else:  # two racks of one DC; joiners (elastic) after the standing rollouts
+        places = {f"n{i + 1}": ("dc1", "r1" if i % 2 else "r2") for i in range(rollout_count(workload, n))}
+    return Layout("n0", list(places), places={"n0": ("dc1", "r1"), **places})
+
+
+def testbed_layout(workload: str, n: int, state: dict) -> Layout:
+    """Trainer on n1; rollouts alternate racks (standalone, elastic), or one in the
+    trainer's DC and the rest in the other (cross-dc)."""
+    nodes = {x["name"]: x for x in state["nodes"]}
+    others = [x for x in nodes if x != "n1"]
+    if workload == "cross-dc":
+        home = [x for x in others if nodes[x]["dc"] == nodes["n1"]["dc"]][:1]
+        away = [x for x in others if nodes[x]["dc"] != nodes["n1"]["dc"]][:n]
+        chosen = home + away
+    else:
+        by_rack: dict[str, list[str]] = {}
+        for x in others:
+            by_rack.setdefault(nodes[x]["rack"], []).append(x)
+        chosen = [x for group in zip(*by_rack.values()) for x in group]
+    need = rollout_count(workload, n)
+    if len(chosen) < need:
+        raise ValueError(f"--rollouts {n}: this workload needs {need} rollout nodes, the testbed has {len(chosen)}")
+    return Layout("n1", chosen[:need], site=Site(state))
+
+
+def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layout) -> dict:
     planner = "star" if baseline else "ros"
     token = os.urandom(16).hex()
     token_file = logdir / "token"
     token_file.write_text(token)
-    with hub(planner=planner, expiry_s=5.0, token=token) as (address, _):
+    site = layout.site
+    with hub(planner=planner, expiry_s=5.0, token=token, host=site.address(layout.trainer),
+             prefix=site.prefix(layout.trainer)) as (address, _):
         common = ["--hub", address, "--token-file", str(token_file), "--engine", k.engine, *k.model_args()]
         roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps),
                 "--duration-s", str(k.timeout_s)]
         runners: list[Runner] = []
 
-        def start(name, module, *args) -> Runner:
-            r = Runner(name, module, [*args], logdir)
+        def start(name, module, node, *args) -> Runner:
+            r = Runner(name, module, [*args, *layout.flags(node)], logdir, prefix=site.prefix(node))
+            r.remote = layout.dc(node) != layout.dc(layout.trainer)
             runners.append(r)
             return r
 
@@ -150,19 +212,15 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path) -> dict:
             trainer = None
             n = k.rollouts
             sync = ["--barrier", str(n)] if baseline and workload == "standalone" else []
-            if workload == "cross-dc":
-                places = [("n1", "dc1", "r1")] + [(f"n{i + 2}", "dc2", "r3") for i in range(n)]
-            else:
-                places = [(f"n{i + 1}", "dc1", "r1" if i % 2 else "r2") for i in range(n)]
-            standing = places if workload != "elastic" else places[:2]
-            for i, (node, dc, rack) in enumerate(standing):
-                start(f"rollout-{i}", "runners.rollout", *roll, *sync, *_place(node, dc, rack))
+            standing = layout.rollouts[:2] if workload == "elastic" else layout.rollouts
+            for i, node in enumerate(standing):
+                start(f"rollout-{i}", "runners.rollout", node, *roll, *sync)
             for r in runners:  # built, joined and waiting before the first step
                 r.wait_for("started", 120)
             # Elastic: steps long enough that a joiner (seconds to import and build its
             # model) arrives while the version it fetches is already replicated.
             step_s = max(k.step_s, k.join_step_s) if workload == "elastic" else k.step_s
-            trainer = start("trainer", "runners.trainer", *common, *_place("n0", "dc1", "r1"),
+            trainer = start("trainer", "runners.trainer", layout.trainer, *common,
                             "--steps", str(k.steps), "--step-s", str(step_s), "--chunk-mb", str(k.chunk_mb),
                             "--linger-s", str(k.timeout_s),
                             *(["--wait-for-readers", str(n)] if sync else []))
@@ -172,8 +230,7 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path) -> dict:
                 for j, after in enumerate((1, 2)):
                     for r in runners[:2]:  # the standing rollouts hold it: replicas exist
                         r.wait_for("loaded", k.timeout_s, version=after)
-                    node, dc, rack = places[2 + j] if 2 + j < len(places) else (f"n{9 + j}", "dc1", "r2")
-                    joiner = start(f"rollout-spot-{j}", "runners.rollout", *roll, "--spot", *_place(node, dc, rack))
+                    joiner = start(f"rollout-spot-{j}", "runners.rollout", layout.rollouts[2 + j], *roll, "--spot")
                     if j == 0:
                         joiner.wait_for("loaded", k.timeout_s)
                         joiner.stop()
@@ -187,11 +244,18 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path) -> dict:
                 r.stop()
     rollouts = [r for r in runners if r is not trainer]
     loaded = [e for r in rollouts for e in r.of("loaded")]
+    version_bytes = max((e["bytes"] for e in loaded), default=0)
     return {
         "planner": planner,
         "rollout_stall_s": round(sum(e["stall_s"] for e in loaded), 4),
         "trainer_stall_s": round(sum(e["stall_s"] for e in trainer.of("published")), 4),
         "bytes_by_level": {lv: int(counters.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS},
+        "version_bytes": version_bytes,
+        # Copies of a version that crossed a DC link, summed over versions (ours: one
+        # per version that reached the other DC; baseline: one per remote load).
+        "remote_copies": round(counters.get("bytes_planned.level.remote", 0) / version_bytes, 3)
+        if version_bytes else 0.0,
+        "remote_versions": len({e["version"] for r in rollouts for e in r.of("loaded") if r.remote}),
         # Every byte spot readers were planned from the trainer, over the whole run (new
         # versions included), and what their first fetch after joining read from it.
         "joiners_from_trainer_bytes": int(counters.get("bytes_planned.from_publishers.spot", 0)),
@@ -226,19 +290,30 @@ def _counters(address: str, token: str) -> dict[str, float]:
     return reply.counters
 
 
-def run(workload: str, knobs: Knobs | None = None) -> dict:
+def run(workload: str, knobs: Knobs | None = None, on_testbed: bool = False) -> dict:
+    """Ours, then the baseline, on loopback or on an 8-node testbed built for the run
+    (2 racks; 2 DCs of 2 racks for cross-dc) and removed after it, even on failure."""
     if workload not in WORKLOADS:
         raise ValueError(f"--workload {workload!r}: not one of {', '.join(WORKLOADS)}")
     k = knobs or Knobs()
-    with tempfile.TemporaryDirectory(prefix="th-bench-rl-") as tmp:
+    where: dict = {"site": "loopback"}
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="th-bench-rl-"))
+        if on_testbed:
+            flags = ["--dcs", "2", "--racks", "4"] if workload == "cross-dc" else ["--racks", "2"]
+            state = stack.enter_context(testbed(8, *flags))
+            layout = testbed_layout(workload, k.rollouts, state)
+            where = {"site": "testbed", "rates_mbit": state["rates_mbit"], "check": state["check"]}
+        else:
+            layout = loopback_layout(workload, k.rollouts)
         arms = {}
         for arm, baseline in (("ours", False), ("baseline", True)):
             logdir = Path(tmp) / arm
             logdir.mkdir()
-            arms[arm] = run_arm(workload, baseline, k, logdir)
+            arms[arm] = run_arm(workload, baseline, k, logdir, layout)
     ours, base = arms["ours"], arms["baseline"]
     return {
-        "workload": workload, "ours": ours, "baseline": base,
+        "workload": workload, **where, "ours": ours, "baseline": base,
         "stall_ratio": round(base["rollout_stall_s"] / ours["rollout_stall_s"], 3) if ours["rollout_stall_s"] else None,
         "trainer_stall_ratio": round(base["trainer_stall_s"] / ours["trainer_stall_s"], 3)
         if ours["trainer_stall_s"] else None,
