@@ -57,6 +57,7 @@ class Fetch:
         self.peers: dict[str, tuple[object, object, wire.Described]] = {}  # source -> (engine, peer, described)
         # from_publishers: bytes read from a published shard (a trainer's send counter)
         self.stats = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
+        self.publisher_read: dict[int, bool] = {}  # chunk -> its latest read is from a published shard
         self.starts = held.starts()
         self.backoff = 0.0
         self.warned: set[str] = set()
@@ -180,6 +181,7 @@ class Fetch:
         with h.lock:
             h.reading[read.chunk] = read.source
         self.inflight[read.chunk] = (read.source, engine, xfer, time.monotonic())
+        self.publisher_read[read.chunk] = desc.rank >= 0  # decided now: a failure elsewhere may drop the peer
 
     def _peer(self, source: p.Source):
         known = self.peers.get(source.name)
@@ -226,8 +228,7 @@ class Fetch:
             nbytes = self.held.placed.views[chunk].nbytes
             self.stats["bytes"] += nbytes
             self.stats["reads"] += 1
-            peer = self.peers.get(source)
-            if peer is not None and peer[2].rank >= 0:
+            if self.publisher_read.pop(chunk, False):
                 self.stats["from_publishers"] += nbytes
             self._result()
             self.done.append(chunk)

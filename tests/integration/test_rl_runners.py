@@ -193,3 +193,19 @@ def test_scale_and_failover_keep_every_retained_version_ready(th_home, local_spe
         assert all(v["state"] == "READY" for v in _versions(name).values())
     finally:
         subprocess.run([sys.executable, "-m", "tensorhub_cli", "down", "-c", name], capture_output=True, timeout=200)
+
+
+def test_a_sharded_trainer_publishes_one_version_from_two_ranks(cluster):
+    """--world 2: each rank publishes its shard; the version is READY once both are in,
+    and a rollout loads the union into one model and passes the probe."""
+    _, start = cluster
+    rollout = start("rollout-0", "runners.rollout", "node3", *TINY, "--until-version", "2", "--rollout-s", "0.1")
+    rollout.wait_for("started", 120)
+    ranks = [start(f"trainer-{r}", "runners.trainer", node, *TINY, "--steps", "2", "--step-s", "1.0", "--world", "2",
+                   "--rank", str(r), "--linger-s", "60") for r, node in enumerate(("node1", "node2"))]
+    finished(rollout)
+    loaded = rollout.of("loaded")
+    assert loaded[-1]["version"] == 2 and all(e["probe_ok"] for e in loaded)
+    assert all(e["from_publishers"] == e["bytes"] for e in loaded), [(e["bytes"], e["from_publishers"]) for e in loaded]
+    for r in ranks:
+        assert [e["version"] for e in r.of("published")] == [1, 2]
