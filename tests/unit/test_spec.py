@@ -143,7 +143,7 @@ def test_missing_file_is_one_line(tmp_path):
     assert result.output.strip().endswith("absent.yaml: no such file")
 
 
-@pytest.mark.parametrize("name", ["local", "testbed-8", "two-dc"])
+@pytest.mark.parametrize("name", ["local", "testbed-8", "two-dc", "rl-standalone", "rl-elastic"])
 def test_example_specs_pass(name):
     result = runner.invoke(app, ["spec", "check", str(REPO / "specs" / f"{name}.yaml")])
     assert result.exit_code == 0, result.output
