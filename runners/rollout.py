@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--duration-s", type=float, default=600.0)
     r.add_argument("--wait-s", type=float, default=120.0, help="give up if no version is READY by then")
     r.add_argument("--fetch-timeout-s", type=float, default=120.0)
+    r.add_argument("--window", type=int, default=4, help="reads in flight per fetch")
     r.add_argument("--barrier", type=int, default=0, help="baseline: wait until N rollouts hold each version")
     r.add_argument("--barrier-prefix", default="rollout", help="baseline: the rollouts' names start with this")
     args = ap.parse_args(argv)
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             t0, fetch_began = time.monotonic(), time.time()
             try:
                 version = ep.fetch(args.model_name, "latest", into=into, group=args.group,
-                                   timeout=args.fetch_timeout_s)
+                                   timeout=args.fetch_timeout_s, window=args.window)
             except HubError as exc:
                 if exc.code != "not_found" or time.monotonic() - (t0 if held else began) > args.wait_s:
                     raise

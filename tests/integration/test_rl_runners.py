@@ -92,9 +92,11 @@ def test_in_place_publish_never_lets_a_rollout_read_a_half_updated_parameter(clu
     chunk fails its checksum, every loaded version passes the probe. The run must
     actually overlap fetches with steps, or it proves nothing."""
     _, start = cluster
-    model = ["--hidden", "256", "--layers", "4", "--vocab", "512"]
-    rollouts = [start(f"rollout-{i}", "runners.rollout", node, *model, "--until-version", "4", "--rollout-s", "0.05",
-                      "--fetch-timeout-s", "30") for i, node in enumerate(("node2", "node3"))]
+    # One read in flight over 1 MiB chunks of a 69 MB model: a fetch outlasts the gap
+    # between a publish and the next step, so reads of the trainer meet its steps.
+    model = ["--hidden", "512", "--layers", "4", "--vocab", "512"]
+    rollouts = [start(f"rollout-{i}", "runners.rollout", node, *model, "--until-version", "4", "--rollout-s", "0",
+                      "--window", "1", "--fetch-timeout-s", "30") for i, node in enumerate(("node2", "node3"))]
     for r in rollouts:
         r.wait_for("started", 120)
     trainer = start("trainer", "runners.trainer", "node1", *model, "--steps", "4", "--publish-mode", "in-place",
