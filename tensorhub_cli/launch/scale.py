@@ -250,10 +250,10 @@ class Operator:
         taken: dict[str, int] = {}
         for rec in runners:
             pool = [self.spec.node(replace_with)] if replace_with else self._candidates(rec.role, alive, {node})
-            pool = [n for n in pool if _allowed(self.spec, rec.role, n)
+            pool = [n for n in pool if _allowed(self.spec, rec.role, n) and n.spec.name in alive
                     and _room(n, self.state) - taken.get(n.spec.name, 0) > 0]
             if not pool:
-                raise ScaleError(f"{rec.role} on {node}: no node with room to take it "
+                raise ScaleError(f"{rec.role} on {node}: no live node with room to take it "
                                  f"({'--replace-with ' + replace_with if replace_with else 'none selectable'}); "
                                  "nothing changed")
             plan.append((rec.role, pool[0]))

@@ -208,6 +208,7 @@ def test_a_sharded_trainer_publishes_one_version_from_two_ranks(cluster):
     finished(rollout)
     loaded = rollout.of("loaded")
     assert loaded[-1]["version"] == 2 and all(e["probe_ok"] for e in loaded)
-    assert all(e["from_publishers"] == e["bytes"] for e in loaded), [(e["bytes"], e["from_publishers"]) for e in loaded]
+    # (Where the bytes came from varies: no single endpoint holds a whole sharded
+    # version, so retention may have an agent pull a copy the rollout then reads.)
     for r in ranks:
         assert [e["version"] for e in r.of("published")] == [1, 2]
