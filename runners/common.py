@@ -66,6 +66,20 @@ def emit(event: str, **fields) -> None:
     sys.stdout.flush()
 
 
+def wait_for_copies(ep, model: str, version: int, copies: int, counts, stopping: threading.Event,
+                    timeout: float) -> None:
+    """The global-sync baseline's barrier: block until ``copies`` holders whose name
+    ``counts`` accepts hold all of ``model@version`` (polling the hub), or raise."""
+    deadline = time.monotonic() + timeout
+    while not stopping.is_set():
+        holders = next((v.holders for v in ep.versions(model) if v.version == version), [])
+        if sum(h.complete for h in holders if counts(h.name)) >= copies:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{model}@{version}: {copies} complete copies did not appear within {timeout:.0f}s")
+        time.sleep(0.01)
+
+
 def stop_on_signals() -> threading.Event:
     """SIGTERM/SIGINT set the event: the runner finishes its step, closes, exits 0."""
     stopping = threading.Event()

@@ -37,7 +37,7 @@ from tensorhub_cli.endpoint import FetchError
 from tensorhub_cli.hub.client import HubError
 
 from . import model as M
-from .common import add_common, emit, join, model_config, stop_on_signals
+from .common import add_common, emit, join, model_config, stop_on_signals, wait_for_copies
 
 log = logging.getLogger("tensorhub.rollout")
 PROMPTS = [[3, 14, 15, 92], [2, 71, 82, 81], [1, 41, 42, 13]]
@@ -49,18 +49,6 @@ def newest(ep, model: str) -> int:
         return max((v.version for v in ep.versions(model)), default=0)
     except HubError:
         return 0
-
-
-def wait_for_copies(ep, model: str, version: int, copies: int, prefix: str, stopping, timeout: float) -> None:
-    """The global-sync baseline: block until ``copies`` endpoints named ``prefix…`` hold all of it."""
-    deadline = time.monotonic() + timeout
-    while not stopping.is_set():
-        holders = next((v.holders for v in ep.versions(model) if v.version == version), [])
-        if sum(h.complete for h in holders if h.name.startswith(prefix)) >= copies:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier: {copies} rollouts did not all hold {model}@{version} within {timeout:.0f}s")
-        time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                     emit("mismatch", version=version, problems=problems[:5], probe_max_abs_diff=diff)
                     return MISMATCH
                 if args.barrier:
-                    wait_for_copies(ep, args.model_name, version, args.barrier, args.barrier_prefix, stopping,
-                                    args.fetch_timeout_s)
+                    wait_for_copies(ep, args.model_name, version, args.barrier,
+                                    lambda name: name.startswith(args.barrier_prefix), stopping, args.fetch_timeout_s)
                 stall = time.monotonic() - t0
                 emit("loaded", version=version, previous=held, began=fetch_began, stall_s=stall, bytes=stats["bytes"],
                      from_publishers=stats["from_publishers"], corrupt=stats["corrupt"], failed=stats["failed"],

@@ -36,7 +36,7 @@ import time
 import torch
 
 from . import model as M
-from .common import add_common, emit, join, model_config, stop_on_signals
+from .common import add_common, emit, join, model_config, stop_on_signals, wait_for_copies
 
 log = logging.getLogger("tensorhub.trainer")
 
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             stall += publish_s
             if args.wait_for_readers:
                 t0 = time.monotonic()
-                wait_for_copies(ep, args.model_name, step, args.wait_for_readers, stopping)
+                wait_for_copies(ep, args.model_name, step, args.wait_for_readers, lambda name: name != ep.name,
+                                stopping, timeout=300.0)
                 stall += time.monotonic() - t0
             if pool is not None:
                 while len(published) > args.keep:
@@ -171,18 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ep.close(drain_timeout=30.0)
     return 0
-
-
-def wait_for_copies(ep, model: str, version: int, copies: int, stopping, timeout: float = 300.0) -> None:
-    """Block until ``copies`` readers hold all of ``version`` (the global-sync baseline)."""
-    deadline = time.monotonic() + timeout
-    while not stopping.is_set():
-        for v in ep.versions(model):
-            if v.version == version and sum(h.complete for h in v.holders if not h.name == ep.name) >= copies:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{model}@{version}: {copies} complete copies did not appear within {timeout:.0f}s")
-        time.sleep(0.01)
 
 
 if __name__ == "__main__":

@@ -230,13 +230,17 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
     return placed
 
 
-def _pieces(m: p.Manifest, start: int, end: int, src, into: dict) -> list:
-    out = []
+def _spans(m: p.Manifest, start: int, end: int):
+    """(tensor, lo, hi): the bytes [lo, hi) of the flat layout that each tensor has
+    inside the chunk [start, end), in layout order."""
     for t in m.tensors:
         lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
         if lo < hi:
-            out.append((_bytes(into[t.name]), lo - t.offset, src[lo - start:], hi - lo))
-    return out
+            yield t, lo, hi
+
+
+def _pieces(m: p.Manifest, start: int, end: int, src, into: dict) -> list:
+    return [(_bytes(into[t.name]), lo - t.offset, src[lo - start:], hi - lo) for t, lo, hi in _spans(m, start, end)]
 
 
 def verify(shards: list[p.Manifest], into: dict) -> list[str]:
@@ -252,11 +256,7 @@ def verify(shards: list[p.Manifest], into: dict) -> list[str]:
         start = 0
         for i, c in enumerate(m.chunks):
             end = start + c.nbytes
-            pieces = []  # (tensor, its bytes inside this chunk), in layout order
-            for t in m.tensors:
-                lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
-                if lo < hi:
-                    pieces.append((t.name, _bytes(into[t.name])[lo - t.offset:hi - t.offset]))
+            pieces = [(t.name, _bytes(into[t.name])[lo - t.offset:hi - t.offset]) for t, lo, hi in _spans(m, start, end)]
             flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b.cpu() for _, b in pieces])
             if checksum(flat) != c.checksum:
                 names = ", ".join(n for n, _ in pieces[:3]) + (" …" if len(pieces) > 3 else "")

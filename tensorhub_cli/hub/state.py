@@ -224,11 +224,8 @@ class Hub(Commands):
                 for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
                     for chunk in [c for c, s in v.reads[reader].items() if s == name]:
                         self._unpin(v, reader, chunk)
-                if v.replicas.pop(name, None) is not None:
-                    v.publishers.discard(name)
-                    v.respread()
-                    if ep is not None:
-                        _leave(v.near, ep.place, name)
+                if name in v.replicas:
+                    self._forget_replica(v, name, ep.place if ep is not None else None)
                 if name in v.draining:
                     v.draining.discard(name)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
@@ -289,6 +286,14 @@ class Hub(Commands):
 
     def _index(self, v: Version, name: str) -> None:
         _join(v.near, self.endpoints[name].place, name)
+
+    def _forget_replica(self, v: Version, name: str, place: Place | None) -> None:
+        """``name``'s replica of ``v`` is gone: so is it from every index over replicas."""
+        del v.replicas[name]
+        v.publishers.discard(name)
+        v.respread()
+        if place is not None:
+            _leave(v.near, place, name)
 
     def _restore(self, now: float, name: str, h: p.Holding) -> None:
         if h.rank >= 0:
@@ -579,13 +584,9 @@ class Hub(Commands):
         level."""
         out = 0
         closed = () if reader.name in v.pulls else v.draining
-        endpoints, expiry = self.endpoints, self.config.expiry_s
         for name in self.full & v.near.get(("dc", reader.place.dc), set()):
             rep = v.replicas.get(name)
-            if rep is None or not rep.held & want or name in closed:
-                continue
-            ep = endpoints.get(name)
-            if ep is not None and now - ep.last_seen <= expiry:
+            if rep is not None and rep.held & want and name not in closed and self._alive(now, name):
                 out |= rep.held & want
                 if out == want:
                     break
@@ -696,10 +697,7 @@ class Hub(Commands):
             for name in sorted(v.draining):
                 if self._drained(now, v, name, kept, policy):
                     v.draining.discard(name)
-                    del v.replicas[name]
-                    v.publishers.discard(name)
-                    v.respread()
-                    _leave(v.near, self.endpoints[name].place, name)
+                    self._forget_replica(v, name, self.endpoints[name].place)
                     self._outbound.append(Acked(endpoint=name, model=v.model, version=v.number))
                     self.count("unpublish_acks")
                     self.event(now, "unpublished", name, v.model, v.number)

@@ -42,12 +42,9 @@ def groups(place: Place) -> tuple[tuple, ...]:
 
 
 def level_between(a: Place, b: Place) -> int:
-    """The level of a source at ``b`` for a reader at ``a`` (see ``groups``)."""
-    if a.dc != b.dc:
-        return REMOTE
-    if a.rack != b.rack:
-        return 2
-    return 0 if a.node == b.node else 1
+    """The level of a source at ``b`` for a reader at ``a``: the narrowest group both
+    belong to (``groups``), REMOTE if none."""
+    return next((n for n, (x, y) in enumerate(zip(groups(a), groups(b))) if x == y), REMOTE)
 
 
 @dataclass(slots=True)

@@ -351,6 +351,17 @@ def test_star_planner_reads_only_from_publishers():
     assert {r.source for r in plan.reads} == {"t"}
 
 
+def test_star_planner_counts_bytes_at_their_true_topology_level():
+    """The baseline ignores topology when it chooses, not when it counts: bytes_by_level
+    of a star run compare with ours."""
+    hub = new_hub(planner="star")
+    reg(hub, 0, info("t", node="n0", dc="dc1"), info("far", node="n5", rack="r9", dc="dc2"))
+    publish(hub, 0, "t", 1, manifest(4))
+    hub.plan(0, p.Plan(name="far", model="policy", version=1, window=4))
+    assert hub.counters["bytes_planned.level.remote"] == 4 * 1024
+    assert "bytes_planned.level.node" not in hub.counters
+
+
 def test_versions_past_keep_latest_are_dropped_when_unpinned():
     hub = new_hub(policies={"policy": Policy(keep_latest=2, min_reliable_copies=0)})
     reg(hub, 0, info("t"), info("r", node="n2"))
