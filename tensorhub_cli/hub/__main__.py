@@ -17,7 +17,7 @@ import zmq
 
 from .service import HubService
 from .retention import Policy
-from .state import Hub, HubConfig
+from .machine import Hub, HubConfig
 
 
 def hub_config(args) -> HubConfig:
@@ -26,7 +26,8 @@ def hub_config(args) -> HubConfig:
         model, _, rule = item.partition("=")
         keep, _, least = rule.partition(":")
         policies[model] = Policy(keep_latest=int(keep), min_reliable_copies=int(least))
-    return HubConfig(cluster=args.cluster, expiry_s=args.expiry_s, planner=args.planner, policies=policies)
+    return HubConfig(cluster=args.cluster, expiry_s=args.expiry_s, round_timeout_s=args.round_timeout_s,
+                     planner=args.planner, policies=policies)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", required=True)
     ap.add_argument("--token-file", required=True)
     ap.add_argument("--cluster", default="tensorhub")
-    ap.add_argument("--expiry-s", type=float, default=5.0)
+    ap.add_argument("--expiry-s", type=float, default=5.0,
+                    help="an endpoint not heard from for longer is dropped (the spec's hub.expiry_s)")
+    ap.add_argument("--round-timeout-s", type=float, default=120.0,
+                    help="a group round ends after this long even if a member never completes")
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
     ap.add_argument("--retain", action="append", default=[], metavar="MODEL=KEEP:MIN",

@@ -163,13 +163,6 @@ class Version:
                 del self.serving[source]
         return source
 
-    def serving_mask(self, source: str) -> int:
-        """The chunks ``source`` is sending to some reader right now."""
-        mask = 0
-        for chunk in self.serving.get(source, ()):
-            mask |= 1 << chunk
-        return mask
-
     def held_bytes(self, held: int) -> int:
         return sum(n * (held & mask).bit_count() for n, mask in self.size_masks.items())
 

@@ -19,7 +19,8 @@ import msgspec
 import zmq
 
 from . import protocol as p
-from .state import Acked, Hub, HubFault, Send
+from .faults import Acked, HubFault, Send
+from .machine import Hub
 
 log = logging.getLogger("tensorhub.hub")
 BATCH = 256  # requests answered per event-loop wake-up; bounds how long a sweep can wait

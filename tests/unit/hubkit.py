@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy
-from tensorhub_cli.hub.state import Acked, Hub, HubConfig, Send
+from tensorhub_cli.hub.machine import Acked, Hub, HubConfig, Send
 
 EXPIRY = 5.0
 

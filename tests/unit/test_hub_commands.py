@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tensorhub_cli.hub import protocol as p
-from tensorhub_cli.hub.commands import EVENTS_KEPT
-from tensorhub_cli.hub.state import HubFault
+from tensorhub_cli.hub.state import EVENTS_KEPT
+from tensorhub_cli.hub.machine import HubFault
 
 from .hubkit import info, manifest, new_hub, reg, sends
 

@@ -6,7 +6,7 @@ import pytest
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy
-from tensorhub_cli.hub.state import HubFault
+from tensorhub_cli.hub.machine import HubFault
 
 from .hubkit import EXPIRY, acks, fetch_all, info, manifest, new_hub, reg, sends
 

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
-from tensorhub_cli.hub.state import Acked, Hub, HubConfig, HubFault
+from tensorhub_cli.hub.machine import Acked, Hub, HubConfig, HubFault
 
 from .hubkit import EXPIRY, info, manifest
 

@@ -55,3 +55,17 @@ class Asking:
         self.done(name)
         if self._by_source.pop(name, None) is not None:
             del self._pruned[name]
+
+
+UNCAPPED = 1 << 30  # a source nobody else asks for: the reader's window decides
+
+
+def room(cap: int, busy: int, mine: int, others: int) -> int:
+    """Reads a reader may still start at a source of ``cap`` read slots, ``busy`` of
+    them in flight (``mine`` of those its own), that ``others`` other readers asked
+    for lately. Alone at a source, a reader is not capped; otherwise each asker may
+    hold ``cap // askers`` (at least one) and the source never exceeds ``cap``. Zero
+    or less: the reader waits for this source or goes elsewhere."""
+    if not others and busy <= mine:
+        return UNCAPPED
+    return min(cap - busy, max(1, cap // (1 + others)) - mine)

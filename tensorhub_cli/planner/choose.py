@@ -22,29 +22,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterable
 
-
-LEVELS = ("node", "rack", "dc", "remote")
-REMOTE = 3
-
-
-@dataclass(frozen=True)
-class Place:
-    node: str
-    rack: str
-    dc: str
-
-
-def groups(place: Place) -> tuple[tuple, ...]:
-    """The topology groups a place belongs to, narrowest first: node ⊂ rack ⊂ DC. A
-    source's level for a reader is the index of the narrowest group they share (3, or
-    REMOTE, if none)."""
-    return ("node", place.dc, place.rack, place.node), ("rack", place.dc, place.rack), ("dc", place.dc)
-
-
-def level_between(a: Place, b: Place) -> int:
-    """The level of a source at ``b`` for a reader at ``a``: the narrowest group both
-    belong to (``groups``), REMOTE if none."""
-    return next((n for n, (x, y) in enumerate(zip(groups(a), groups(b))) if x == y), REMOTE)
+from .topology import REMOTE
 
 
 @dataclass(slots=True)

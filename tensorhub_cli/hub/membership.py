@@ -1,0 +1,91 @@
+"""Endpoints joining, staying and leaving (contracts 6 and 7).
+
+- ``register``: an endpoint joins, or re-joins after a hub restart carrying its
+  holdings (replicas, reads in flight), from which the registry is rebuilt. A second
+  live process under a name is refused; a restarted one (new pid) replaces the old.
+- ``heartbeat``: keeps it alive; ``expire(now)`` drops every endpoint silent for longer
+  than ``expiry_s``.
+- ``drop_endpoint``: a gone endpoint loses every reference, pin and read it had; a
+  pending unpublish of its is answered not-ok.
+"""
+
+from __future__ import annotations
+
+from ..planner import join, leave
+from . import protocol as p
+from .draining import forget_replica, settle
+from .faults import Acked, HubFault
+from .publishing import note_seed, restore
+from .state import Endpoint, HubState
+
+
+def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
+    old = hub.endpoints.get(op.info.name)
+    if old is not None and old.info.pid != op.info.pid and hub.alive(now, old.name):
+        # Two live processes under one name would corrupt every reference it owns.
+        raise HubFault("conflict", f"endpoint name {op.info.name!r} is held by a live endpoint (pid {old.info.pid})")
+    if old is not None:
+        drop_endpoint(hub, now, old.name)
+    ep = hub.endpoints[op.info.name] = Endpoint(info=op.info, last_seen=now)
+    join(hub.near, ep.place, ep.name)
+    hub.count("registrations")
+    for holding in op.holdings:
+        try:
+            restore(hub, now, op.info.name, holding)
+        except HubFault:
+            hub.count("errors.holding")  # one stale holding must not cost the others
+    for v, reader in hub.unplaced.pop(op.info.name, []):
+        if reader in hub.endpoints and op.info.name in v.reads.get(reader, {}).values():
+            note_seed(hub, v, reader, op.info.name)
+    settle(hub, now)
+    return p.Ok()
+
+
+def heartbeat(hub: HubState, now: float, op: p.Heartbeat) -> p.Ok:
+    hub.endpoint(op.name).last_seen = now
+    return p.Ok()
+
+
+def deregister(hub: HubState, now: float, op: p.Deregister) -> p.Ok:
+    hub.endpoint(op.name)
+    drop_endpoint(hub, now, op.name)
+    settle(hub, now)
+    return p.Ok()
+
+
+def expire(hub: HubState, now: float) -> list[str]:
+    dead = [n for n in hub.endpoints if not hub.alive(now, n)]
+    for name in dead:
+        drop_endpoint(hub, now, name)
+        hub.count("expiries")
+        hub.event(now, "expired", name)
+    if dead:
+        settle(hub, now)
+    return dead
+
+
+def drop_endpoint(hub: HubState, now: float, name: str) -> None:
+    """Contract 6: a gone endpoint loses every reference, pin and read it had."""
+    ep = hub.endpoints.pop(name, None)
+    hub.asking.forget(name)
+    if ep is not None:
+        leave(hub.near, ep.place, name)
+    for versions in hub.models.values():
+        for v in versions.values():
+            for chunk in list(v.reads.get(name, {})):
+                hub.unpin(v, name, chunk)
+            for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
+                for chunk in [c for c, s in v.reads[reader].items() if s == name]:
+                    hub.unpin(v, reader, chunk)
+            if name in v.replicas:
+                forget_replica(v, name, ep.place if ep is not None else None)
+            if name in v.draining:
+                v.draining.discard(name)
+                hub.queue(Acked(endpoint=name, model=v.model, version=v.number, ok=False))
+            v.pulls.discard(name)
+            v.avoid.pop(name, None)
+            for dc in [dc for dc, seed in v.seeds.items() if seed == name]:
+                del v.seeds[dc]
+            v.refresh()
+        for number in [n for n, v in versions.items() if not v.replicas and not v.ever_ready]:
+            del versions[number]  # a STAGING version whose publishers are all gone

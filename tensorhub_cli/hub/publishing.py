@@ -1,0 +1,138 @@
+"""Publishing shards, assembling versions, and restoring holdings (contracts 1 and 7).
+
+A version is published shard by shard (``rank`` of ``world``). Once every rank's
+manifest is in it is *assembled* (``Version.assemble``): each publisher then holds its
+shard's chunk range, and the version is READY once live holders cover every chunk.
+``restore`` rebuilds a version from a re-registering endpoint's holding after a hub
+restart: its replica, and its reads in flight as pins, so a drain cannot be judged
+complete before every live reader has told the hub what it is reading.
+"""
+
+from __future__ import annotations
+
+from ..planner import join
+from . import protocol as p
+from .draining import drop_old, settle
+from .faults import HubFault
+from .registry import READY, Replica, Version
+from .state import HubState
+
+
+def publish(hub: HubState, now: float, op: p.Publish) -> p.Ok:
+    hub.endpoint(op.name)
+    known = hub.models.get(op.model, {}).get(op.version)
+    was = known.state if known else None
+    v = add_shard(hub, op.name, op.model, op.version, op.rank, op.world, op.manifest)
+    hub.count("publishes")
+    if v.state == READY and was != READY:
+        hub.event(now, "ready", op.name, op.model, op.version)
+    settle(hub, now)
+    return p.Ok()
+
+
+def add_shard(hub: HubState, name: str, model: str, number: int, rank: int, world: int,
+              manifest: p.Manifest) -> Version:
+    check_manifest(manifest, number, rank, world)
+    digest = p.manifest_digest(1, [manifest])
+    versions = hub.models.setdefault(model, {})
+    v = versions.get(number)
+    if v is None:
+        v = versions[number] = Version(model=model, number=number, world=world)
+    elif v.world != world:
+        raise HubFault("conflict", f"{model}@{number} was published with world {v.world}, not {world}")
+    elif rank in v.shard_digests and v.shard_digests[rank] != digest:
+        raise HubFault("conflict", f"{model}@{number} shard {rank} exists with a different manifest")
+    rep = v.replicas.get(name)
+    if rep is not None and rep.rank != rank:
+        raise HubFault("conflict", f"{name} already holds {model}@{number} as {'reader' if rep.rank < 0 else f'shard {rep.rank}'}")
+    v.shards[rank], v.shard_digests[rank] = manifest, digest
+    if rep is None:
+        rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
+        v.publishers.add(name)
+    assemble(hub, v)
+    if v.assembled:
+        rep.held |= v.shard_mask(rank)
+        index(hub, v, name)
+    if v.refresh() == READY:
+        drop_old(hub, model)
+    return v
+
+
+def assemble(hub: HubState, v: Version) -> None:
+    """Assembly gives every publisher its shard's chunks at once: index them all."""
+    if not v.assembled:
+        v.assemble()
+        for name, rep in v.replicas.items():
+            if rep.held:
+                index(hub, v, name)
+
+
+def index(hub: HubState, v: Version, name: str) -> None:
+    """``name`` holds chunks of ``v``: plans near it will find it."""
+    join(v.near, hub.endpoints[name].place, name)
+
+
+def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
+    if h.rank >= 0:
+        add_shard(hub, name, h.model, h.version, h.rank, h.world, h.shards[0])
+        return
+    if len(h.shards) != h.world:
+        raise HubFault("malformed", "a reader's holding must carry every shard's manifest")
+    digests = []
+    for rank, m in enumerate(h.shards):
+        check_manifest(m, h.version, rank, h.world)
+        digests.append(p.manifest_digest(1, [m]))
+    versions = hub.models.setdefault(h.model, {})
+    v = versions.get(h.version)
+    if v is not None and (v.world != h.world or any(
+            v.shard_digests.get(r, d) != d for r, d in enumerate(digests))):
+        raise HubFault("conflict", f"{h.model}@{h.version}: holding does not match the known manifest")
+    if v is None:
+        v = versions[h.version] = Version(model=h.model, number=h.version, world=h.world)
+    for rank, m in enumerate(h.shards):  # a reader knows every shard, even those whose publisher is gone
+        v.shards.setdefault(rank, m)
+        v.shard_digests.setdefault(rank, digests[rank])
+    assemble(hub, v)
+    v.ever_ready = True  # readers only ever read READY versions: a gap now means UNAVAILABLE
+    held = 0
+    for c in h.held:
+        if 0 <= c < v.nchunks:
+            held |= 1 << c
+    rep = v.replicas.setdefault(name, Replica(endpoint=name))
+    rep.held |= held
+    v.respread(held, hub.endpoints[name].place.dc)
+    if held:
+        index(hub, v, name)
+    for r in h.reading:
+        # Pin even a source that has not re-registered yet: if it is alive and
+        # unpublishes, this read in flight must still hold its drain back.
+        if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source != name:
+            hub.pin(v, name, r.chunk, r.source)
+            if r.source in hub.endpoints:
+                note_seed(hub, v, name, r.source)
+            else:  # its DC is known once it re-registers
+                hub.unplaced.setdefault(r.source, []).append((v, name))
+    if v.refresh() == READY:
+        drop_old(hub, h.model)
+
+
+def note_seed(hub: HubState, v: Version, reader: str, source: str) -> None:
+    """A rebuilt read across a DC link makes its reader that DC's seed again."""
+    dc = hub.endpoints[reader].place.dc
+    if hub.endpoints[source].place.dc != dc:
+        v.seeds.setdefault(dc, reader)
+
+
+def check_manifest(m: p.Manifest, number: int, rank: int, world: int) -> None:
+    if number < 1:
+        raise HubFault("malformed", f"version must be >= 1, got {number}")
+    if not 0 <= rank < world:
+        raise HubFault("malformed", f"shard rank {rank} outside world {world}")
+    if not m.chunks:
+        raise HubFault("malformed", "a manifest needs at least one chunk")
+    if m.chunk_bytes <= 0 or any(not 0 < c.nbytes <= m.chunk_bytes for c in m.chunks):
+        raise HubFault("malformed", f"chunk sizes must be in 1..chunk_bytes ({m.chunk_bytes})")
+    total = sum(c.nbytes for c in m.chunks)
+    for t in m.tensors:
+        if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > total:
+            raise HubFault("malformed", f"tensor {t.name!r} lies outside the {total} bytes its chunks cover")

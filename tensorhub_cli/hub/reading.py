@@ -1,0 +1,172 @@
+"""Plans, progress and cancels: a reader's reads, and what the hub counts of them.
+
+``plan`` asks the planner which holders serve which of the reader's missing chunks
+and pins each planned read on its source (contract 3: a pinned source's drain waits
+for it). A ``Plan`` may carry the reader's progress since its last one, so a fetch is
+one round trip per cycle. ``progress`` turns verified chunks into held ones (the
+reader is a holder of them from then on) and failed reads into re-plans elsewhere
+(contract 5); ``cancel`` drops a reader's reads in flight. Reads onto a source that
+stopped heartbeating are dropped at the reader's next plan (contract 6).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from ..planner import LEVELS, Limits, Reader, Sources, Walk, choose, may_cross
+from . import protocol as p
+from .draining import drop_old, settle
+from .faults import HubFault
+from .publishing import index
+from .registry import READY, Replica, Version
+from .resolving import require_ready
+from .state import Endpoint, HubState
+
+_LEVEL_KEYS = [f"bytes_planned.level.{name}" for name in LEVELS]
+_TIER_KEYS = {tier: f"bytes_planned.tier.{tier}" for tier in ("device", "host")}
+# A trainer's send counter, split by its readers' kind: spot joiners should read ~0 of it.
+_FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "bytes_planned.from_publishers.spot"}
+
+
+def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
+    reader = hub.endpoint(op.name)
+    if op.chunks or op.failed:
+        progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
+                                      failed=op.failed))
+    v = hub.version(op.model, op.version)
+    require_ready(v)
+    if op.name in v.draining:
+        # Its buffer is being let go: reads into it would be lost, and their pins
+        # would outlive the replica they were filling.
+        raise HubFault("draining", f"{op.name} is unpublishing {v.model}@{v.number}; "
+                                   "it cannot fetch that version until the unpublish is acknowledged")
+    rep = v.replicas.get(op.name)
+    if rep is None:  # a reader is a (partial) holder from its first plan on
+        rep = v.replicas[op.name] = Replica(endpoint=op.name)
+    if rep.held == v.full:
+        return p.Planned(reads=[], sources=[], complete=True)
+    _drop_lost_reads(hub, now, v, op.name)
+    reads = v.reads.get(op.name, {})
+    assigned, mine = 0, {}
+    for chunk, source in reads.items():
+        assigned |= 1 << chunk
+        mine[source] = mine.get(source, 0) + 1
+    window = max(1, min(op.window, hub.config.max_window))
+    needed = v.full & ~rep.held & ~assigned
+    crossing = _may_cross(v, reader)
+    walk = Walk(
+        Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls),
+        Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
+                v.serving, v.spread),
+        Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
+        hub.asking,
+    )
+    result = choose(needed=needed, start=zlib.crc32(op.name.encode()) % v.nchunks, limit=window - len(reads),
+                    levels=walk.levels(crossing), may_cross=crossing, deferred=walk.deferred)
+    _account(hub, now, v, reader, result.assigned)
+    if result.crossed:
+        v.seeds[reader.place.dc] = op.name
+    hub.count("plans")
+    # Reads restored after a hub restart whose source has not re-registered stay
+    # pinned but unlisted: the reader finishes or fails them on its own.
+    reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
+    return p.Planned(
+        reads=[p.Read(chunk=c, source=s) for c, s in sorted(reads.items())],
+        sources=[_source(hub, n) for n in sorted(set(reads.values()))],
+        waiting=result.waiting,
+    )
+
+
+def _may_cross(v: Version, reader: Endpoint) -> bool:
+    """Contract 8 through ``planner.may_cross``; an inactive seed is dropped here."""
+    seed = v.seeds.get(reader.place.dc)
+    active = seed is not None and seed in v.replicas and seed not in v.draining and bool(v.reads.get(seed))
+    if seed is not None and seed != reader.name and not active:
+        del v.seeds[reader.place.dc]
+    return may_cross(seed, reader.name, active)
+
+
+def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned) -> None:
+    """Pin each planned read and count its bytes by level, tier and publisher."""
+    planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
+    relayed = 0  # reads served by readers, not publishers: pipelined replication at work
+    for chunk, source, level in assigned:
+        hub.pin(v, reader.name, chunk, source)
+        nbytes = v.chunk_nbytes[chunk]
+        reader.bytes_planned += nbytes
+        if v.replicas[source].rank >= 0:
+            hub.asking.note(source, reader.name, now)
+            reader.bytes_from_publishers += nbytes
+            tier = _FROM_PUBLISHERS[reader.info.reliable]
+            planned[tier] = planned.get(tier, 0) + nbytes
+        else:
+            relayed += 1
+        for key in (_LEVEL_KEYS[level], _TIER_KEYS[hub.endpoints[source].info.tier]):
+            planned[key] = planned.get(key, 0) + nbytes
+    for key, nbytes in planned.items():
+        hub.count(key, nbytes)
+    if relayed:
+        hub.count("reads_from_readers", relayed)
+
+
+def _drop_lost_reads(hub: HubState, now: float, v: Version, reader: str) -> None:
+    """Contract 6: reads onto a source past its expiry (swept or not) are re-planned
+    at once. A source that has not re-registered since a hub restart counts as lost
+    only after the grace period."""
+    for chunk, source in list(v.reads.get(reader, {}).items()):
+        if source in hub.endpoints:
+            lost = not hub.alive(now, source)
+        else:
+            lost = now >= hub.grace_until
+        if lost:
+            hub.unpin(v, reader, chunk)
+
+
+def _source(hub: HubState, name: str) -> p.Source:
+    info = hub.endpoints[name].info
+    return p.Source(name=name, node=info.node, engine=info.engine, engine_meta=info.engine_meta)
+
+
+def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
+    hub.endpoint(op.name)
+    v = hub.version(op.model, op.version)
+    if not v.assembled:
+        raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
+    bad = [c for c in op.chunks if not 0 <= c < v.nchunks]
+    if bad:
+        raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
+    rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+    for c in op.chunks:
+        rep.held |= 1 << c
+        hub.unpin(v, op.name, c)
+    if op.chunks:
+        if rep.rank < 0:
+            v.respread(rep.held, hub.endpoints[op.name].place.dc)
+        if rep.held == v.full:
+            hub.asking.done(op.name)
+        index(hub, v, op.name)
+    for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
+        if v.reads.get(op.name, {}).get(r.chunk) == r.source:
+            hub.unpin(v, op.name, r.chunk)
+            v.avoid.setdefault(op.name, set()).add(r.source)
+            hub.count("reads_failed")
+    hub.count("chunks_reported", len(op.chunks))
+    was = v.state
+    if was != READY and v.refresh() == READY:  # adding chunks cannot uncover a READY version
+        hub.event(now, "ready", op.name, v.model, v.number)
+        drop_old(hub, v.model)
+        settle(hub, now)
+    elif v.pulls or v.draining:
+        settle(hub, now, v)
+    return p.Ok()
+
+
+def cancel(hub: HubState, now: float, op: p.Cancel) -> p.Ok:
+    """The reader gave up its reads in flight (a fetch timed out or was aborted)."""
+    hub.endpoint(op.name)
+    v = hub.version(op.model, op.version)
+    for chunk in list(v.reads.get(op.name, {})):
+        hub.unpin(v, op.name, chunk)
+    hub.asking.done(op.name)
+    settle(hub, now)
+    return p.Ok()

@@ -1,0 +1,65 @@
+"""Resolving a version for a reader (contracts 1 and 2).
+
+Only READY versions resolve; ``latest`` is the highest READY one. A reader that names
+a ``group`` resolves ``latest`` inside that group's open round (``groups.Round``), so
+every member gets the same version even when a newer one becomes READY mid-round.
+"""
+
+from __future__ import annotations
+
+from . import protocol as p
+from .faults import HubFault
+from .groups import Round, round_over
+from .registry import READY, UNAVAILABLE, Version
+from .state import HubState
+
+
+def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
+    hub.endpoint(op.name)
+    versions = hub.models.get(op.model)
+    if not versions:
+        raise HubFault("not_found", f"model {op.model!r} has no versions")
+    if op.version is not None:
+        v = hub.version(op.model, op.version)
+        require_ready(v)
+        return _resolved(v, 0)
+    if op.group is None:
+        return _resolved(latest(hub, op.model), 0)
+    key = (op.model, op.group)
+    rnd = hub.rounds.get(key)
+    if rnd is not None:
+        members = {n for n, ep in hub.endpoints.items() if ep.info.group == op.group}
+        v_round = hub.models[op.model].get(rnd.version)
+        why = round_over(rnd, members, now, hub.config.round_timeout_s, lambda n: n in hub.endpoints,
+                         lambda n: v_round is not None and v_round.complete(n))
+        if why is not None or v_round is None:
+            hub.count(f"rounds_ended.{(why or 'version dropped').replace(' ', '_')}")
+            rnd = None
+    if rnd is None:
+        newest = latest(hub, op.model)
+        number = hub.rounds[key].number + 1 if key in hub.rounds else 1
+        rnd = hub.rounds[key] = Round(number=number, version=newest.number, opened_at=now)
+    v = hub.models[op.model][rnd.version]
+    require_ready(v)
+    rnd.resolved.add(op.name)
+    return _resolved(v, rnd.number)
+
+
+def latest(hub: HubState, model: str) -> Version:
+    ready = [v for v in hub.models.get(model, {}).values() if v.state == READY]
+    if not ready:
+        raise HubFault("not_found", f"model {model!r} has no READY version")
+    return max(ready, key=lambda v: v.number)
+
+
+def require_ready(v: Version) -> None:
+    if v.state == UNAVAILABLE:
+        missing = v.missing()
+        raise HubFault("unavailable", f"{v.model}@{v.number} is UNAVAILABLE: no live endpoint holds "
+                       f"{len(missing)} chunk(s), e.g. {missing[:8]}", missing)
+    if v.state != READY:
+        raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
+
+
+def _resolved(v: Version, rnd: int) -> p.Resolved:
+    return p.Resolved(model=v.model, version=v.number, world=v.world, shards=v.manifests(), round=rnd)

@@ -1,0 +1,164 @@
+"""Candidates for one plan, one topology level at a time: the planner's walk.
+
+A plan asks ``Walk.levels()`` for holders cheapest level first and stops as soon as
+the holders seen can fill the reader's window (``choose``), so a plan costs about
+the size of the reader's own rack, not of the cluster. Levels 0–2 walk the version's
+holders in the reader's node, rack and DC (``Sources.near_holders``); level 3 is the
+rest of the version's replicas, built only when the reader may cross its DC link.
+
+While it walks, the walk notes the needed chunks that only busy holders have
+(``busy_held``: sources at their share, publishers withholding relayed chunks,
+chunks already on their way to another reader). ``deferred`` adds the chunks of
+sources at their read cap in the reader's DC, which never go across a DC link.
+
+Pure: every table is the hub's, passed by reference and only read, except the
+fair-share log (``Asking.note``) and the per-DC ``spread`` cache, which it fills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Iterator, Mapping, Protocol
+
+from .choose import Candidate
+from .fairness import Asking, room
+from .rules import Holding, full_held, serving_mask, spread
+from .topology import Place, groups, level_between
+
+
+class Located(Protocol):
+    """An endpoint as the planner sees it."""
+
+    last_seen: float
+    place: Place
+
+
+@dataclass(slots=True)
+class Reader:
+    name: str
+    place: Place
+    needed: int  # chunks it lacks and has no read in flight for
+    mine: dict[str, int] = field(default_factory=dict)  # its reads in flight, per source
+    avoid: Collection[str] = ()  # sources that failed it (contract 5: last resort)
+    retention_pull: bool = False  # an agent copying a retained version
+
+
+@dataclass(slots=True)
+class Sources:
+    """The hub's tables about one version's holders (references, nothing copied)."""
+
+    replicas: Mapping[str, Holding]
+    publishers: Collection[str]
+    draining: Collection[str]
+    endpoints: Mapping[str, Located]
+    near_holders: Mapping[tuple, set[str]]  # the version's replicas by topology group
+    near_endpoints: Mapping[tuple, set[str]]  # every endpoint by topology group
+    load: Mapping[str, int]  # reads in flight per source, all versions
+    full: set[str]  # sources at their read cap
+    serving: Mapping[str, Mapping[int, int]]  # source -> {chunk: readers}
+    spread: dict[str, int]  # per-DC cache of ``rules.spread``
+
+
+@dataclass(slots=True)
+class Limits:
+    now: float
+    expiry_s: float  # a source not seen for longer is not offered
+    cap: int  # read slots per source once more than one reader uses it
+    star: bool = False  # the baseline: publishers only, topology ignored
+
+
+class Walk:
+    def __init__(self, reader: Reader, sources: Sources, limits: Limits, asking: Asking):
+        self.reader, self.sources, self.limits, self.asking = reader, sources, limits, asking
+        self.busy_held = 0  # needed chunks only busy holders have, filled level by level
+
+    def closed(self) -> Collection[str]:
+        """Draining replicas take no new reads, except the retention copy of themselves."""
+        return () if self.reader.retention_pull else self.sources.draining
+
+    def deferred(self, want: int) -> int:
+        """Chunks of ``want`` that wait for busy holders in the reader's DC."""
+        s, lim = self.sources, self.limits
+        in_dc = s.full & s.near_holders.get(("dc", self.reader.place.dc), set())
+
+        def alive(name: str) -> bool:
+            ep = s.endpoints.get(name)
+            return ep is not None and lim.now - ep.last_seen <= lim.expiry_s
+
+        return self.busy_held | full_held(in_dc, s.replicas, want & ~self.busy_held, self.closed(), alive)
+
+    def levels(self, may_cross: bool) -> Iterator[tuple[int, Iterator[Candidate]]]:
+        s, r = self.sources, self.reader
+        keys = groups(r.place)
+        if self.limits.star:  # topology ignored for the choice
+            yield 0, self._gather(0, s.replicas)
+            return
+        # A reader turned away by a full publisher still asked for it.
+        for name in s.full.intersection(s.publishers):
+            if s.replicas[name].held & r.needed:
+                self.asking.note(name, r.name, self.limits.now)
+        # Holders come from the version's index; what is cut out as a cheaper level
+        # comes from where endpoints are, which the index cannot get wrong. (Set
+        # difference runs in C: a DC of holders costs microseconds, not a Python loop.)
+        # Full sources are skipped here; ``deferred`` accounts for their chunks.
+        inner: set[str] = set()
+        for n, key in enumerate(keys):
+            yield n, self._gather(n, s.near_holders.get(key, set()) - inner - s.full)
+            inner = s.near_endpoints.get(key, set())
+        if may_cross:  # else ``choose`` stops before this level: skip the set difference
+            yield len(keys), self._gather(len(keys), s.replicas.keys() - inner - s.full)
+
+    def _gather(self, n: int, names) -> Iterator[Candidate]:
+        """The eligible holders among ``names``, all at level n. (The hot loop of a
+        plan: locals bound first, cheapest tests first.)"""
+        s, r, lim, asking = self.sources, self.reader, self.limits, self.asking
+        replicas, endpoints, load, serving = s.replicas, s.endpoints, s.load, s.serving
+        now, expiry, cap, star = lim.now, lim.expiry_s, lim.cap, lim.star
+        me, here, needed, mine, avoid = r.name, r.place, r.needed, r.mine, r.avoid
+        closed = self.closed()
+        for name in names:
+            rep = replicas.get(name)
+            if rep is None or not rep.held & needed or name == me or name in closed:
+                continue
+            if star and rep.rank < 0:
+                continue
+            ep = endpoints.get(name)
+            if ep is None or now - ep.last_seen > expiry:
+                continue
+            busy = load.get(name, 0)
+            if star:
+                # The true level still goes into the counters, so bytes_planned.level.*
+                # compare with ours.
+                yield Candidate(name, rep.held, level_between(here, ep.place), busy, name in avoid)
+                continue
+            held = rep.held
+            publisher = rep.rank >= 0
+            if publisher and not avoid:
+                # A publisher sends into a DC only chunks no reader there has yet:
+                # readers relay the rest (never fetched across a DC instead). A reader
+                # that met a bad holder may have any chunk from it again (contract 5).
+                relayed = s.spread.get(here.dc)
+                if relayed is None:
+                    relayed = s.spread[here.dc] = spread(
+                        s.near_holders.get(("dc", here.dc), ()), replicas, s.draining)
+                self.busy_held |= held & relayed & needed
+                held &= ~relayed
+                if not held & needed:
+                    continue
+            # Fair shares only at publishers: they are few (so this stays cheap with
+            # thousands of relays) and they are where readers queue.
+            others = asking.others(name, me, now) if publisher else 0
+            slots = room(cap, busy, mine.get(name, 0), others)
+            if slots <= 0:
+                self.busy_held |= held & needed
+                if publisher:
+                    asking.note(name, me, now)
+                continue
+            # A chunk this source is already sending to another reader will be at that
+            # reader soon: fetch it from there, so it leaves here once.
+            if name in serving:
+                sending = serving_mask(serving[name])
+                self.busy_held |= held & sending & needed
+                held &= ~sending
+            if held & needed:
+                yield Candidate(name, held, n, busy, name in avoid, publisher, slots)
