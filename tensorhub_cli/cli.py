@@ -15,6 +15,7 @@ from typing import Optional
 import msgspec
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from . import spec as specmod
 
@@ -282,7 +283,27 @@ def sync(model: str = typer.Argument(..., help="model name"),
         out.print(f"synced {model}@{run.version} to {len(run.targets)} endpoint(s)")
 
 
-BENCH_WORKLOADS = ("hub", "p2p", "fanout", "rl")
+class _Workloads(TyperGroup):
+    # An unknown workload is bad input like any other here: one plain line, exit 2.
+    def resolve_command(self, ctx, args):
+        if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
+            fail(f"th bench: unknown workload {args[0]!r} (known: {', '.join(self.commands)})", 2)
+        return super().resolve_command(ctx, args)
+
+
+bench = typer.Typer(cls=_Workloads, no_args_is_help=True,
+                    help="Measure a workload and print JSON (ratios and latencies measured in one run).")
+app.add_typer(bench, name="bench")
+
+JsonOpt = typer.Option(False, "--json", help="print only the JSON result")
+PlotOpt = typer.Option(None, "--plot", help="write a PNG chart")
+EngineOpt = typer.Option("nixl", help="nixl or tcp")
+TimeoutOpt = typer.Option(600.0, min=1, help="seconds before a phase counts as stuck")
+
+
+def _check_engine(workload: str, engine: str) -> None:
+    if engine not in ("nixl", "tcp"):
+        fail(f"th bench {workload}: --engine must be nixl or tcp, got {engine!r}", 2)
 
 
 def _reader_counts(text: str) -> list[int]:
@@ -295,68 +316,18 @@ def _reader_counts(text: str) -> list[int]:
     return counts
 
 
-@app.command()
-def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join(BENCH_WORKLOADS)}"),
-          as_json: bool = typer.Option(False, "--json", help="print only the JSON result"),
-          plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG chart (workloads that have one)"),
-          endpoints: int = typer.Option(1000, min=2, help="hub: simulated endpoints"),
-          tensors: int = typer.Option(1000, min=1, help="hub: tensors per manifest"),
-          chunk_mb: int = typer.Option(64, min=1, help="hub: chunk size in MiB"),
-          depth: int = typer.Option(64, min=1, help="hub: requests in flight in the throughput phase"),
-          planner: str = typer.Option("ros", help="hub: ros, or star (the all-from-publisher baseline)"),
-          timeout: float = typer.Option(600.0, min=1, help="seconds before a phase counts as stuck"),
-          profile: Optional[Path] = typer.Option(None, help="hub: write a cProfile of the hub process here"),
-          mib: float = typer.Option(0, min=0, help="p2p/fanout: payload MiB (default 256 / 128)"),
-          readers: str = typer.Option("1,2,4,8", help="fanout: reader counts"),
-          reps: int = typer.Option(3, min=1, help="p2p: repetitions (medians are reported)"),
-          window: int = typer.Option(0, min=0, help="p2p/fanout: reads in flight per reader (default 4 / 2)"),
-          engine: str = typer.Option("nixl", help="p2p/fanout: nixl or tcp"),
-          testbed: bool = typer.Option(False, "--testbed", help="fanout, rl: on an 8-node namespace testbed it "
-                                       "builds and removes (root; fanout readers 1,3,7 by default)"),
-          node_gbps: Optional[float] = typer.Option(None, min=0.001, help="fanout --testbed: node link rate"),
-          rl_workload: str = typer.Option("standalone", "--workload", help="rl: standalone, elastic or cross-dc"),
-          steps: int = typer.Option(4, min=1, help="rl: trainer steps (= versions)"),
-          rollouts: int = typer.Option(3, min=1, max=16, help="rl: rollout runners"),
-          hidden: int = typer.Option(512, min=16, help="rl: model hidden size"),
-          layers: int = typer.Option(8, min=1, help="rl: model layers"),
-          step_s: float = typer.Option(1.5, min=0, help="rl: the trainer's pace, seconds per step at least")) -> None:
-    """Measure a workload and print JSON (ratios and latencies measured in one run)."""
-    if workload not in BENCH_WORKLOADS:
-        fail(f"th bench: unknown workload {workload!r} (known: {', '.join(BENCH_WORKLOADS)})", 2)
-    if workload == "rl":
-        _bench_rl(rl_workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout, testbed)
-        return
-    if plot is not None and workload != "fanout":
-        fail(f"th bench {workload}: --plot: this workload has no chart", 2)
-    if testbed and workload != "fanout":
-        fail(f"th bench {workload}: --testbed: only fanout runs on the testbed", 2)
+@bench.command("hub")
+def bench_hub(as_json: bool = JsonOpt,
+              endpoints: int = typer.Option(1000, min=2, help="simulated endpoints"),
+              tensors: int = typer.Option(1000, min=1, help="tensors per manifest"),
+              chunk_mb: int = typer.Option(64, min=1, help="chunk size in MiB"),
+              depth: int = typer.Option(64, min=1, help="requests in flight in the throughput phase"),
+              planner: str = typer.Option("ros", help="ros, or star (the all-from-publisher baseline)"),
+              timeout: float = TimeoutOpt,
+              profile: Optional[Path] = typer.Option(None, help="write a cProfile of the hub process here")) -> None:
+    """Real hub on one core under N simulated endpoints: plan latency and control ops/s."""
     if planner not in ("ros", "star"):
-        fail(f"th bench {workload}: --planner must be ros or star, got {planner!r}", 2)
-    if engine not in ("nixl", "tcp"):
-        fail(f"th bench {workload}: --engine must be nixl or tcp, got {engine!r}", 2)
-    if workload != "hub":
-        from .bench import fanout, p2p
-        from .bench.rig import RigError
-
-        if not as_json:
-            where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
-            err.print(f"bench {workload}: starting processes on {where} …", highlight=False)
-        try:
-            if workload == "p2p":
-                result = p2p.run(mib=mib or 256, reps=reps, window=window or 4, engine=engine)
-            elif testbed:
-                counts = _reader_counts("1,3,7" if readers == "1,2,4,8" else readers)
-                result = fanout.run_testbed(counts, mib=mib or 128, window=window or 4, engine=engine,
-                                            node_gbps=node_gbps)
-            else:
-                result = fanout.run(_reader_counts(readers), mib=mib or 128, window=window or 2, engine=engine)
-        except (RigError, RuntimeError, ValueError) as exc:
-            fail(f"th bench {workload}: {exc}", 1)
-        if workload == "fanout":
-            _show_bench("fanout", result, as_json, plot)
-        else:
-            print(json.dumps(result, indent=None if as_json else 2))
-        return
+        fail(f"th bench hub: --planner must be ros or star, got {planner!r}", 2)
     from .bench import hub as hub_bench
 
     if not as_json:
@@ -366,12 +337,99 @@ def bench(workload: str = typer.Argument(..., help=f"what to measure: {', '.join
         result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth,
                                planner=planner, timeout_s=timeout, profile=profile)
     except hub_bench.BenchError as exc:
-        fail(f"th bench {workload}: {exc}", 1)
+        fail(f"th bench hub: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))
     if not as_json:
         from .ui.status import render_bench_hub
 
         render_bench_hub(err, result)
+
+
+@bench.command("p2p")
+def bench_p2p(as_json: bool = JsonOpt,
+              mib: float = typer.Option(256, min=0.001, help="payload MiB"),
+              reps: int = typer.Option(3, min=1, help="repetitions (medians are reported)"),
+              window: int = typer.Option(4, min=1, help="reads in flight"),
+              engine: str = EngineOpt) -> None:
+    """One fetch through our endpoint vs raw NIXL READ vs raw TCP, between the same two processes."""
+    _check_engine("p2p", engine)
+    from .bench import p2p
+    from .bench.rig import RigError
+
+    if not as_json:
+        err.print("bench p2p: starting processes on loopback …", highlight=False)
+    try:
+        result = p2p.run(mib=mib, reps=reps, window=window, engine=engine)
+    except (RigError, RuntimeError, ValueError) as exc:
+        fail(f"th bench p2p: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench.command("fanout")
+def bench_fanout(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
+                 mib: float = typer.Option(128, min=0.001, help="payload MiB"),
+                 readers: Optional[str] = typer.Option(None, help="reader counts, a comma list "
+                                                       "(default 1,2,4,8; 1,3,7 with --testbed)"),
+                 window: Optional[int] = typer.Option(None, min=1, help="reads in flight per reader "
+                                                      "(default 2; 4 with --testbed)"),
+                 engine: str = EngineOpt,
+                 testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds "
+                                              "and removes (root)"),
+                 node_gbps: Optional[float] = typer.Option(None, min=0.001, help="--testbed: node link rate")) -> None:
+    """One publisher, N readers fetching the same version at once: ours vs trainer-star."""
+    _check_engine("fanout", engine)
+    # Checked before anything starts: inside the try below, typer.Exit (a RuntimeError) would turn into exit 1.
+    counts = _reader_counts(readers or ("1,3,7" if testbed else "1,2,4,8"))
+    from .bench import fanout
+    from .bench.rig import RigError
+
+    if not as_json:
+        where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
+        err.print(f"bench fanout: starting processes on {where} …", highlight=False)
+    try:
+        if testbed:
+            result = fanout.run_testbed(counts, mib=mib, window=4 if window is None else window, engine=engine,
+                                        node_gbps=node_gbps)
+        else:
+            result = fanout.run(counts, mib=mib, window=2 if window is None else window, engine=engine)
+    except (RigError, RuntimeError, ValueError) as exc:
+        fail(f"th bench fanout: {exc}", 1)
+    _show_bench("fanout", result, as_json, plot)
+
+
+@bench.command("rl")
+def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
+             workload: str = typer.Option("standalone", "--workload", help="standalone, elastic or cross-dc"),
+             steps: int = typer.Option(4, min=1, help="trainer steps (= versions)"),
+             rollouts: int = typer.Option(3, min=1, max=16, help="rollout runners"),
+             hidden: int = typer.Option(512, min=16, help="model hidden size"),
+             layers: int = typer.Option(8, min=1, help="model layers"),
+             step_s: float = typer.Option(1.5, min=0, help="the trainer's pace, seconds per step at least"),
+             engine: str = EngineOpt, timeout: float = TimeoutOpt,
+             testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
+                                          "removes (root)")) -> None:
+    """An RL workload (trainer + rollouts), ours then its baseline, in one run."""
+    from .bench import rl
+    from .bench.rig import RigError
+
+    if workload not in rl.WORKLOADS:
+        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, got {workload!r}", 2)
+    _check_engine("rl", engine)
+    if hidden % 8:
+        fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
+    if not as_json:
+        where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
+        err.print(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", highlight=False)
+    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
+                     timeout_s=timeout)
+    try:
+        result = rl.run(workload, knobs, on_testbed=testbed)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
+        fail(f"th bench rl: {exc}", 1)
+    _show_bench("rl", result, as_json, plot)
+    if result["probe_mismatches"]:
+        fail(f"th bench rl: {result['probe_mismatches']} probe mismatch(es): a rollout ran weights that were "
+             "not the trainer's version", 1)
 
 
 def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:
@@ -389,31 +447,6 @@ def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]
         except charts.PlotUnavailable as exc:
             fail(f"th bench {workload}: {exc}", 1)
         err.print(f"wrote {plot}", highlight=False)
-
-
-def _bench_rl(workload, as_json, plot, steps, rollouts, hidden, layers, step_s, engine, timeout, on_testbed) -> None:
-    from .bench import rl
-    from .bench.rig import RigError
-
-    if workload not in rl.WORKLOADS:
-        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, got {workload!r}", 2)
-    if engine not in ("nixl", "tcp"):
-        fail(f"th bench rl: --engine must be nixl or tcp, got {engine!r}", 2)
-    if hidden % 8:
-        fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
-    if not as_json:
-        where = "an 8-node testbed (built now, removed after)" if on_testbed else "loopback"
-        err.print(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", highlight=False)
-    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
-                     timeout_s=timeout)
-    try:
-        result = rl.run(workload, knobs, on_testbed=on_testbed)
-    except (RigError, RuntimeError, OSError, ValueError) as exc:
-        fail(f"th bench rl: {exc}", 1)
-    _show_bench("rl", result, as_json, plot)
-    if result["probe_mismatches"]:
-        fail(f"th bench rl: {result['probe_mismatches']} probe mismatch(es): a rollout ran weights that were "
-             "not the trainer's version", 1)
 
 
 @app.command()

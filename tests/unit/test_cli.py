@@ -61,6 +61,24 @@ def test_status_without_cluster_is_a_clear_error(th_home):
     assert "no cluster is running" in result.output
 
 
+def test_bench_has_one_subcommand_per_workload_each_with_its_own_options():
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0
+    for name in ("hub", "p2p", "fanout", "rl"):
+        assert any(line.strip("│ ").startswith(name + " ") for line in result.output.splitlines()), name
+    for argv, option in ((["bench", "hub", "--testbed"], "--testbed"), (["bench", "p2p", "--plot", "x.png"], "--plot"),
+                         (["bench", "rl", "--readers", "1,2"], "--readers")):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2, argv
+        assert f"No such option: {option}" in result.output, argv
+
+
+def test_bench_refuses_an_unknown_workload_by_name():
+    result = runner.invoke(app, ["bench", "warp"])
+    assert result.exit_code == 2
+    assert "unknown workload 'warp' (known: hub, p2p, fanout, rl)" in result.output
+
+
 def test_nixl_shim_finds_the_backend_wheel(monkeypatch):
     from tensorhub_cli.engines.nixl_shim import NixlUnavailable, load_nixl
 
