@@ -70,8 +70,8 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     consumed so far have but cannot serve now (busy): those chunks wait for them and are never
     taken from another DC, so a busy holder inside the DC never sends a read across
     a DC link (contract 8: cost before load). Inside a DC a busy cheaper holder
-    does not hold a reader back: a rack uplink has room for it, and waiting left
-    the publisher's rack idle for half of a 7-reader fan-out on the testbed.
+    does not hold a reader back: a rack uplink has room for it, and waiting idles
+    the publisher's rack (docs/design.md, "Measurements behind the defaults").
     """
     if limit <= 0 or not needed:
         return PlanResult()

@@ -3,8 +3,7 @@
 A reader reports finished reads in the same message that asks for new ones, so the
 reader whose read just finished is always first in line for the slot it freed. If
 only reads in flight counted, one early reader would keep every slot of a source
-(seen on the testbed: the publisher fed one reader alone for 2.4 s while six waited).
-So a plan notes, per source, the readers it gave reads of that source or turned
+while the others idle (docs/design.md, "Measurements behind the defaults"). So a plan notes, per source, the readers it gave reads of that source or turned
 away from it; a reader noted within ``window_s`` that still fetches competes for
 that source, and each competitor may hold ``cap // competitors`` of its reads (at
 least one).
