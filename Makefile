@@ -13,8 +13,11 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
+# A venv made before the rename to tensorhub-ros holds the editable install as
+# "tensorhub": it is dropped, or two distributions would claim tensorhub_cli and `th`.
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip uninstall -q -y tensorhub 2>/dev/null || true
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

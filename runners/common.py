@@ -33,6 +33,13 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", default=None, help="nixl or tcp (default: the cluster's)")
     g.add_argument("--model-name", default="policy")
     g.add_argument("--heartbeat-s", type=float, default=0.5)
+    g.add_argument("--read-timeout-s", type=float, default=None,
+                   help="one chunk read before it is re-planned (default: the cluster spec's, else 30)")
+    g.add_argument("--plan-timeout-s", type=float, default=None,
+                   help="one plan round trip to the hub (default: the cluster spec's, else 5)")
+    g.add_argument("--drain-timeout-s", type=float, default=None,
+                   help="an unpublish drain (and retention copy) at close or before the trainer writes; "
+                        "default: 30 s at close, 120 s before a write")
     m = ap.add_argument_group("model (must match on every runner)")
     m.add_argument("--hidden", type=int, default=256)
     m.add_argument("--layers", type=int, default=4)
@@ -53,6 +60,9 @@ def join(args, role: str, reliable: bool = True, group: str | None = None):
                   heartbeat_s=args.heartbeat_s)
     if args.engine:
         common["engine"] = args.engine
+    for key in ("read_timeout_s", "plan_timeout_s"):  # unset: connect's (the spec's, with --cluster)
+        if getattr(args, key) is not None:
+            common[key] = getattr(args, key)
     if args.cluster:
         return connect(cluster=args.cluster, **common)
     if not args.hub or not args.token_file:

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         emit("done", held=held, tokens=tokens)
     finally:
-        ep.close(drain_timeout=30.0)
+        ep.close(drain_timeout=args.drain_timeout_s or 30.0)
     return 0
 
 

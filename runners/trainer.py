@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             stall = 0.0
             if args.publish_mode == "in-place" and published:
                 t0 = time.monotonic()
-                ep.unpublish(args.model_name, published.pop(), timeout=120.0)  # drain before we write
+                # drain before we write
+                ep.unpublish(args.model_name, published.pop(), timeout=args.drain_timeout_s or 120.0)
                 stall += time.monotonic() - t0
             step_began = time.time()
             if args.slow_step_s:
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 while len(published) > args.keep:
                     old = published.pop()
                     t0 = time.monotonic()
-                    ep.unpublish(args.model_name, old, timeout=120.0)
+                    ep.unpublish(args.model_name, old, timeout=args.drain_timeout_s or 120.0)
                     stall += time.monotonic() - t0
                     pool.give(old)
             emit("published", version=step, stall_s=stall, publish_s=publish_s, step_began=step_began,
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         emit("done", versions=last)
         stopping.wait(args.linger_s)
     finally:
-        ep.close(drain_timeout=30.0)
+        ep.close(drain_timeout=args.drain_timeout_s or 30.0)
     return 0
 
 

@@ -6,8 +6,7 @@
 
 __version__ = "0.1.0"
 
+# Cheap: api.py imports the endpoint stack only when connect is called.
+from .api import connect  # noqa: E402
 
-def connect(*args, **kwargs):
-    from .endpoint import connect as _connect
-
-    return _connect(*args, **kwargs)
+__all__ = ["connect"]

@@ -8,6 +8,9 @@ the node, so stopping one recorded PID leaves nothing of that node behind.
 
 Keys live under the testbed directory: one client key (key-only root login), one host
 key per node, and a known_hosts file with every node's host key.
+
+A node's sshd is recorded by host PID and kernel start time (clock ticks since boot,
+read through psutil), so a reused PID is never signalled.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+try:
+    import psutil
+except ImportError:  # the system python3 scripts/testbed falls back to may lack it
+    raise SystemExit("scripts/testbed needs psutil: build .venv first (`make venv`), which it then uses") from None
 
 from .fabric import Node
 from .net import NetError, sh
@@ -71,19 +79,36 @@ def sshd_config(node: Node, node_dir: Path, authorized_keys: Path) -> Path:
     return conf
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
 def _children(pid: int) -> list[int]:
     try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
+        return [kid.pid for kid in psutil.Process(pid).children()]
+    except psutil.Error:
         return []
 
 
-def starttime(pid: int) -> int | None:
+def _cmdline(pid: int) -> str:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
+def starttime(pid: int) -> int | None:
+    """Kernel start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    # psutil gives boot time + ticks / CLK_TCK; boot time (/proc/stat btime) moves when
+    # the clock is stepped, so it is read on both sides and the read retried if it moved.
+    try:
+        for _ in range(3):
+            boot = psutil.boot_time()
+            created = psutil.Process(pid).create_time()
+            if psutil.boot_time() == boot:
+                break
+    except psutil.NoSuchProcess:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return round((created - boot) * CLK_TCK)
 
 
 def start_sshd(node: Node, node_dir: Path, authorized_keys: Path, timeout: float = 15.0) -> dict:
@@ -104,7 +129,7 @@ def start_sshd(node: Node, node_dir: Path, authorized_keys: Path, timeout: float
             raise NetError(f"{node.name}: sshd exited at start ({proc.returncode}); "
                            f"{(node_dir / 'sshd.log').read_text()[-800:]}")
         kids = _children(proc.pid)
-        if kids and "sshd" in Path(f"/proc/{kids[0]}/cmdline").read_bytes().decode(errors="replace"):
+        if kids and "sshd" in _cmdline(kids[0]):
             sshd = kids[0]
             try:
                 with socket.create_connection((node.address, 22), timeout=0.5):
@@ -134,10 +159,9 @@ def stop_sshd(rec: dict, timeout: float = 5.0) -> str:
 
 def _zombie(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
-    return stat[stat.rindex(")") + 2] == "Z"
 
 
 def known_hosts_line(node: Node, node_dir: Path) -> str:

@@ -1,0 +1,1 @@
+"""The per-node agent process (``daemon``) and what it does on hub commands (``commands``)."""

@@ -1,4 +1,9 @@
-"""Agent process: ``python -m tensorhub_cli.agent --hub tcp://H:P --node N ...``."""
+"""Agent process: ``python -m tensorhub_cli.agent --hub tcp://H:P --node N ...``.
+
+Flags map one to one onto ``daemon.run``; the launcher (``th up``) passes the node's
+place and the spec's ``hub.heartbeat_s`` and ``endpoints`` timeouts. Runs until a
+signal (see ``daemon``), then exits 0.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spot", action="store_true")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--engine", choices=("nixl", "tcp"), default="nixl")
+    # The cluster spec's ``endpoints`` section; defaults match the endpoint's.
+    ap.add_argument("--read-timeout-s", type=float, default=30.0, help="one chunk read before it is re-planned")
+    ap.add_argument("--plan-timeout-s", type=float, default=5.0, help="one plan round trip to the hub")
+    ap.add_argument("--drain-timeout-s", type=float, default=120.0,
+                    help="per copy, on failover (SIGUSR1): its drain and retention copy elsewhere")
+    ap.add_argument("--connect-timeout-s", type=float, default=3600.0, help="until the hub accepts our registration")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{args.node}] %(levelname)s %(message)s")
     with open(args.token_file, encoding="utf-8") as f:
         token = f.read().strip()
-    run(args.hub, token, args.node, args.address, args.dc, args.rack, args.spot, args.heartbeat_s, args.engine)
+    run(args.hub, token, args.node, args.address, args.dc, args.rack, args.spot, args.heartbeat_s, args.engine,
+        read_timeout_s=args.read_timeout_s, plan_timeout_s=args.plan_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        connect_timeout_s=args.connect_timeout_s)
     logging.info("agent stopped")
     return 0
 

@@ -14,8 +14,8 @@ Phases, each a real exchange with the hub, nothing skipped or faked:
    flight, so a plan's round trip is its service time plus one loopback hop, not
    queueing behind other requests. Every endpoint now holds the whole of v1.
 
-Prints one JSON object on stdout. The hub's CPU time over each phase (from
-/proc/<hub pid>/stat) tells whether the hub or this generator was the limit.
+Prints one JSON object on stdout. The hub's CPU time over each phase (user + system,
+from psutil) tells whether the hub or this generator was the limit.
 """
 
 from __future__ import annotations

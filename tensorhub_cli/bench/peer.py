@@ -20,7 +20,7 @@ import traceback
 import torch
 
 from tensorhub_cli import connect
-from tensorhub_cli.engines.tcp import host_view
+from tensorhub_cli.engines.base import host_view
 
 
 def tensors(mib: float, seed: int) -> dict[str, torch.Tensor]:

@@ -18,11 +18,28 @@ Protocol (per method, what the caller may do once it returns):
   owns the memory again.
 - ``verify(model, version, into)`` → problems (empty: ``into`` is byte for byte the
   version, re-hashed against the manifest). Reads only; changes nothing.
+- ``release(model, version)``: drops the replica without a drain (the hub forgot it
+  already); the caller owns the memory again.
+- ``report(cmd, kind, message)``: tells the hub how a command went (best effort).
 - ``close()``: unpublishes everything (bounded), deregisters, stops its threads.
 
+Commands the hub pushes run through ``on_command`` (default: ``SyncCommands``, which
+serves ``th sync`` into what ``accept_sync`` named); see ``commands`` for what a
+handler may do.
+
+Timeouts, each set at construction (the cluster spec's ``endpoints`` and
+``hub.heartbeat_s`` through ``connect(cluster=...)``) and, where a method takes one,
+per call: ``heartbeat_s`` (1.0; the beat period), ``read_timeout_s`` (30.0; one chunk
+read before it is re-planned), ``plan_timeout_s`` (5.0; one plan round trip),
+``drain_timeout_s`` (120.0; what a leaving agent grants each replica on failover),
+``call_timeout_s`` (5.0; any other hub or peer round trip: versions, reports, the
+cleanup of a failed fetch, asking a holder where its chunks are), ``connect_timeout``
+(10.0; registration).
+
 Threads: the caller's (publish, fetch, unpublish: one hub socket), the service thread
-(register, heartbeat, engine progress, hub commands: its own socket), the peer server
-(``peer``), and the tcp engine's read pool. Replica records are shared under locks.
+(register, heartbeat, engine progress: its own socket), the command worker (the
+handler), the peer server (``peer``), the verifier pool and the tcp engine's read
+pool. Replica records are shared under locks.
 """
 
 from __future__ import annotations
@@ -37,11 +54,14 @@ import msgspec
 
 from ..engines import wire
 from ..engines.base import Engine
-from ..engines.tcp import Regions, TcpEngine
+from ..engines.serve import Regions
+from ..engines.tcp import TcpEngine
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
+from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, place, verify
+from .commands import CommandHandler, SyncCommands
+from .errors import EndpointError
 from .fetch import Fetch, FetchError
-from .layout import CHUNK_BYTES, SMALL_BYTES, allocate, lay_out, place, verify
 from .peer import PeerServer
 from .replica import Held
 from .service import Service
@@ -49,11 +69,9 @@ from .service import Service
 log = logging.getLogger("tensorhub.endpoint")
 
 
-class EndpointError(RuntimeError):
-    pass
-
-
 def make_engine(kind: str, name: str, token: str, host: str) -> tuple[Engine, TcpEngine]:
+    """Our engine, and the tcp engine every endpoint also has (to read holders whose
+    engine differs from ours); NIXL falls back to tcp, loudly, when it cannot load."""
     tcp = TcpEngine(token, source=host)
     if kind == "tcp":
         return tcp, tcp
@@ -70,18 +88,24 @@ def make_engine(kind: str, name: str, token: str, host: str) -> tuple[Engine, Tc
 
 class Endpoint:
     def __init__(self, hub: str, token: str, info: p.EndpointInfo, *, host: str = "127.0.0.1",
-                 engine: str = "nixl", heartbeat_s: float = 1.0, connect_timeout: float = 10.0,
+                 engine: str = "nixl", heartbeat_s: float = 1.0, read_timeout_s: float = 30.0,
+                 plan_timeout_s: float = 5.0, drain_timeout_s: float = 120.0, call_timeout_s: float = 5.0,
+                 connect_timeout: float = 10.0, on_command: Optional[CommandHandler] = None,
                  chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES):
         self.name = info.name
         self.host = host
         self._token = token
         self.chunk_bytes = chunk_bytes
         self.small_bytes = small_bytes
+        self.read_timeout_s = read_timeout_s
+        self.plan_timeout_s = plan_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.call_timeout_s = call_timeout_s
         self.served = Regions()
         self.engine, self.tcp = make_engine(engine, info.name, token, host)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
-        self._zombies: list = []  # transfers that could not be released yet
+        self._zombies: list = []  # inflight.Zombie: transfers that could not be released yet
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served)
@@ -89,8 +113,8 @@ class Endpoint:
         self._rpc = HubClient(hub, token, source=host)
         self._rpc_lock = threading.Lock()
         self.last_fetch: dict = {}
-        self.sync_into: dict[str, Callable[[list[p.Manifest]], dict]] = {}
-        self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s)
+        self.sync_into: dict[str, dict | Callable[[list[p.Manifest]], dict]] = {}
+        self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s, on_command or SyncCommands())
         self.service.start()
         try:
             self._await_registered(connect_timeout)
@@ -100,7 +124,7 @@ class Endpoint:
 
     # --- plumbing used by the service thread and the fetch loop -----------------------
 
-    def _call(self, op: p.Op, timeout: float = 5.0) -> p.Body:
+    def _call(self, op: p.Op, timeout: float) -> p.Body:
         with self._rpc_lock:  # the caller's thread and the command worker share this socket
             return self._rpc.call(op, timeout=timeout)
 
@@ -160,11 +184,15 @@ class Endpoint:
         return manifest
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
-              timeout: float = 60.0, window: int = 4, read_timeout: float = 30.0) -> int:
+              timeout: float = 60.0, window: int = 4, read_timeout: Optional[float] = None,
+              plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0) -> int:
+        """``timeout``: the whole fetch; ``read_timeout``/``plan_timeout``: one chunk
+        read / plan round trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);
+        ``resolve_timeout``: naming the version (at most ``timeout``)."""
         deadline = time.monotonic() + timeout
         number = None if version == "latest" else int(version)
         resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
-                              timeout=min(10.0, timeout))
+                              timeout=min(resolve_timeout, timeout))
         held = self._replicas.get((model, resolved.version))
         if held is not None and (held.rank >= 0 or len(held.held) == len(held.placed.views)) and (
                 callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
@@ -182,7 +210,10 @@ class Endpoint:
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
         self._add(held)
         self._reap()
-        job = Fetch(self, held, deadline, window, read_timeout)
+        job = Fetch(self, held, deadline, window,
+                    read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
+                    plan_timeout=self.plan_timeout_s if plan_timeout is None else plan_timeout,
+                    describe_timeout=self.call_timeout_s)
         try:
             job.run()
         except BaseException as exc:
@@ -196,15 +227,16 @@ class Endpoint:
 
     def _reap(self) -> None:
         """Release transfers a failed or re-planned read left behind, once they let go."""
-        self._zombies = [(engine, xfer) for engine, xfer in self._zombies if not engine.release(xfer)]
+        self._zombies = [z for z in self._zombies if not z.engine.release(z.xfer)]
 
     def _abort(self, job: Fetch, held: Held) -> None:
-        """A failed fetch leaves no replica: stop reads, release pins, let the partial go."""
-        job.stop()
+        """A failed fetch leaves no replica: stop reads, release pins, let the partial go
+        (each step bounded by ``call_timeout_s``)."""
+        job.stop(timeout=self.call_timeout_s)
         for op in (p.Cancel(name=self.name, model=held.model, version=held.version),
                    p.Unpublish(name=self.name, model=held.model, version=held.version)):
             try:
-                self._call(op, timeout=5.0)
+                self._call(op, timeout=self.call_timeout_s)
             except (HubError, HubUnreachable) as exc:
                 log.warning("%s after a failed fetch: %s", type(op).__name__, exc)
         self._drop(held)
@@ -240,44 +272,33 @@ class Endpoint:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
         return verify(held.shards, into)
 
+    def release(self, model: str, version: int) -> None:
+        """Drop our replica of ``model@version`` at once, without a drain: for a version
+        the hub already forgot (its ``release`` command). No-op if we hold none."""
+        held = self._replicas.get((model, version))
+        if held is not None:
+            self._drop(held)
+
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
-        or a callable that makes one from the manifests)."""
+        or a callable that makes one from the manifests). The default command handler
+        (``SyncCommands``) and the agent's both fetch into it."""
         self.sync_into[model] = into
 
-    def on_command(self, cmd: p.Command) -> None:
-        """Run a hub command (service worker thread); the outcome goes back as a Report."""
-        if cmd.action == "release":  # the hub forgot it: no drain to wait for, no report
-            held = self._replicas.get((cmd.model, cmd.version))
-            if held is not None:
-                self._drop(held)
-            return
-        kind, message = {"retain": "retained", "fetch": "fetched", "load": "loaded"}[cmd.action], ""
+    def report(self, cmd: p.Command, kind: str, message: str = "", *, timeout: Optional[float] = None) -> None:
+        """Tell the hub how ``cmd`` went (an event in its log). Best effort, within
+        ``timeout`` (None: ``call_timeout_s``): a lost report is logged, not raised."""
         try:
-            if cmd.action == "load":
-                from safetensors.torch import load_file
-
-                self.publish(cmd.model, cmd.version, load_file(cmd.path), chunk_bytes=cmd.chunk_bytes or None)
-            else:
-                into = self.sync_into.get(cmd.model)
-                if into is None and self.info.kind == "agent":
-                    into = allocate
-                if into is None:
-                    raise EndpointError(f"{self.name} accepts no sync of {cmd.model!r} (no accept_sync)")
-                self.fetch(cmd.model, cmd.version, into=into, timeout=600.0)
-            message = f"{self.last_fetch['bytes']} bytes" if cmd.action != "load" else cmd.path
-        except Exception as exc:
-            kind, message = f"{cmd.action}_failed", f"{type(exc).__name__}: {exc}"
-            log.warning("%s: %s of %s@%s failed: %s", self.name, cmd.action, cmd.model, cmd.version, message)
-        try:
-            self._call(p.Report(name=self.name, kind=kind, model=cmd.model, version=cmd.version, message=message))
+            self._call(p.Report(name=self.name, kind=kind, model=cmd.model, version=cmd.version, message=message),
+                       timeout=self.call_timeout_s if timeout is None else timeout)
         except (HubError, HubUnreachable) as exc:
             log.warning("%s: report of %s lost: %s", self.name, kind, exc)
 
-    def versions(self, model: Optional[str] = None) -> list[p.VersionStatus]:
-        return self._call(p.Versions(model=model)).versions
+    def versions(self, model: Optional[str] = None, *, timeout: Optional[float] = None) -> list[p.VersionStatus]:
+        return self._call(p.Versions(model=model), self.call_timeout_s if timeout is None else timeout).versions
 
     def close(self, drain_timeout: float = 30.0) -> None:
+        """``drain_timeout``: per replica, for its unpublish (0: no drain, just leave)."""
         if getattr(self, "_closed", False):
             return
         self._closed = True

@@ -16,26 +16,31 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
    at a time while reads go on, on the fetch's own hub socket.
 
 The hub's errors end the fetch (``unavailable``, ``not_found``, ``draining``) with a
-``FetchError``; a plan unanswered for ``PLAN_TIMEOUT_S`` is sent again (progress is
+``FetchError``; a plan unanswered for ``plan_timeout`` is sent again (progress is
 idempotent) until the deadline, as the endpoint's service thread re-registers us (and
 our reads in flight) with a restarted hub.
+
+Waits, all set per fetch by the endpoint: ``deadline`` (the whole fetch),
+``read_timeout`` (one chunk read), ``plan_timeout`` (one plan round trip; also how long
+a plan that met a restarted hub waits for our re-registration), ``describe_timeout``
+(asking a holder where its chunks are), ``stop(timeout)`` (reads stopping after a
+failure). ``report_s`` paces reports; it is no wait.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from ..engines import wire
 from ..engines.base import EngineError, Pair
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
+from .inflight import Asked, Holder, Reading, Verifying, Zombie
 from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
-REPORT_S = 0.05
-PLAN_TIMEOUT_S = 5.0
 
 
 class FetchError(RuntimeError):
@@ -43,18 +48,22 @@ class FetchError(RuntimeError):
 
 
 class Fetch:
-    def __init__(self, ep, held: Held, deadline: float, window: int, read_timeout: float):
+    def __init__(self, ep, held: Held, deadline: float, window: int, *, read_timeout: float,
+                 plan_timeout: float, describe_timeout: float, report_s: float = 0.05):
         self.ep = ep
         self.held = held
         self.deadline = deadline
         self.window = window
         self.read_timeout = read_timeout
-        self.inflight: dict[int, tuple[str, object, object, float]] = {}  # chunk -> (source, engine, xfer, t0)
-        self.verifying: dict[int, tuple[str, Future]] = {}  # chunk -> (source, its checksum being computed)
+        self.plan_timeout = plan_timeout
+        self.describe_timeout = describe_timeout
+        self.report_s = report_s
+        self.inflight: dict[int, Reading] = {}
+        self.verifying: dict[int, Verifying] = {}
         self.done: list[int] = []
         self.failed: list[p.Read] = []
         self.first_result = 0.0
-        self.peers: dict[str, tuple[object, object, wire.Described]] = {}  # source -> (engine, peer, described)
+        self.peers: dict[str, Holder] = {}  # by the hub's name for the holder
         # from_publishers: bytes read from a published shard (a trainer's send counter)
         self.stats = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
         self.publisher_read: dict[int, bool] = {}  # chunk -> its latest read is from a published shard
@@ -76,7 +85,7 @@ class Fetch:
 
     def _loop(self) -> None:
         total = len(self.held.placed.views)
-        self.asked = None  # (rid, sent at, the Plan) awaiting its reply
+        self.asked: Asked | None = None
         plan_due, idle = True, 0.0002
         while True:
             now = time.monotonic()
@@ -85,8 +94,8 @@ class Fetch:
             busy = len(self.inflight) + len(self.verifying)
             results = len(self.done) + len(self.failed)
             # Report (with the next plan) once half the window has results, so reads
-            # keep flowing, and never sit on a result longer than REPORT_S.
-            if results and (2 * results >= self.window or now - self.first_result >= REPORT_S or not busy):
+            # keep flowing, and never sit on a result longer than report_s.
+            if results and (2 * results >= self.window or now - self.first_result >= self.report_s or not busy):
                 plan_due = True
             if self.asked is None and plan_due and (results or len(self.inflight) < self.window):
                 self._ask()
@@ -107,7 +116,7 @@ class Fetch:
                 idle = 0.0002
             elif self.verifying and not self.inflight and self.asked is None:
                 # Only hashing left to wait for: wake the moment a checksum is ready.
-                wait([f for _, f in self.verifying.values()], timeout=0.002, return_when=FIRST_COMPLETED)
+                wait([v.digest for v in self.verifying.values()], timeout=0.002, return_when=FIRST_COMPLETED)
             elif self.asked is not None and not self.inflight:
                 self.client.reply_ready(0.002)  # nothing else to do: block briefly for the hub
             elif busy:
@@ -128,22 +137,22 @@ class Fetch:
         self.backoff = min(max(0.01, self.backoff * 2), 0.5) if only_failures else 0.0
         if self.backoff:
             time.sleep(min(self.backoff, max(0.0, self.deadline - time.monotonic())))
-        self.asked = (self.client.send(op), time.monotonic(), op)
+        self.asked = Asked(self.client.send(op), time.monotonic(), op)
 
     def _answer(self) -> p.Planned | None:
-        rid, sent, op = self.asked
+        asked = self.asked
         try:
-            planned = self.client.reply(rid)
+            planned = self.client.reply(asked.rid)
         except HubError as exc:
             self.asked = None
             if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
                 time.sleep(0.05)  # (the service thread may not have noticed yet)
-                self.ep._await_registered(max(0.1, min(5.0, self.deadline - time.monotonic())))
+                self.ep._await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
                 return None
             raise FetchError(f"hub refused plan of {self.held.model}@{self.held.version}: {exc}") from None
         if planned is None:
-            if time.monotonic() - sent > PLAN_TIMEOUT_S:  # lost (hub restarting?): ask again, same report
-                self.asked = (self.client.send(op), time.monotonic(), op)
+            if time.monotonic() - asked.sent > self.plan_timeout:  # lost (hub restarting?): ask again, same report
+                self.asked = Asked(self.client.send(asked.op), time.monotonic(), asked.op)
             return None
         self.asked = None
         return planned
@@ -151,8 +160,8 @@ class Fetch:
     def _start_planned(self, planned: p.Planned) -> None:
         h = self.held
         listed = {r.chunk: r.source for r in planned.reads}
-        for chunk, (source, *_rest) in list(self.inflight.items()):
-            if listed.get(chunk) != source:
+        for chunk, reading in list(self.inflight.items()):
+            if listed.get(chunk) != reading.source:
                 self._finish(chunk)  # the hub re-planned it: its source is gone
         sources = {s.name: s for s in planned.sources}
         unreported = {r.chunk for r in self.failed}
@@ -167,12 +176,14 @@ class Fetch:
         try:
             if source is None:
                 raise EngineError(f"hub named source {read.source} without its address")
-            engine, peer, desc = self._peer(source)
+            holder = self._peer(source)
+            desc = holder.described
             i = read.chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0)
             if not 0 <= i < len(desc.addrs):
                 raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
             view = h.placed.views[read.chunk]
-            xfer = engine.read(peer, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)], h.placed.device)
+            xfer = holder.engine.read(holder.peer, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)],
+                                      h.placed.device)
         except (EngineError, wire.PeerError) as exc:
             self._warn(read.source, f"read of chunk {read.chunk} from {read.source} failed to start: {exc}")
             self.peers.pop(read.source, None)
@@ -180,27 +191,30 @@ class Fetch:
             return
         with h.lock:
             h.reading[read.chunk] = read.source
-        self.inflight[read.chunk] = (read.source, engine, xfer, time.monotonic())
+        self.inflight[read.chunk] = Reading(read.source, holder.engine, xfer, time.monotonic())
         self.publisher_read[read.chunk] = desc.rank >= 0  # decided now: a failure elsewhere may drop the peer
 
-    def _peer(self, source: p.Source):
+    def _peer(self, source: p.Source) -> Holder:
         known = self.peers.get(source.name)
         if known is None:
             h = self.held
             address = source.engine_meta.decode()
-            desc = wire.describe(address, self.ep._token, h.model, h.version, timeout=5.0, source=self.ep.host)
+            desc = wire.describe(address, self.ep._token, h.model, h.version, timeout=self.describe_timeout,
+                                 source=self.ep.host)
             engine = self.ep.engine if desc.engine == self.ep.engine.kind else self.ep.tcp
-            known = self.peers[source.name] = (engine, engine.add_peer(address, desc.description), desc)
+            known = self.peers[source.name] = Holder(engine, engine.add_peer(address, desc.description), desc)
         return known
 
     def _poll(self) -> bool:
         progressed = False
         now = time.monotonic()
-        for chunk, (source, engine, xfer, t0) in list(self.inflight.items()):
-            state = engine.state(xfer)
+        for chunk, reading in list(self.inflight.items()):
+            source = reading.source
+            state = reading.engine.state(reading.xfer)
             if state == "pending":
-                if now - t0 > self.read_timeout:
-                    self._warn(source, f"read of chunk {chunk} from {source} timed out after {now - t0:.1f}s")
+                if now - reading.started > self.read_timeout:
+                    self._warn(source, f"read of chunk {chunk} from {source} timed out after "
+                                       f"{now - reading.started:.1f}s")
                     self._finish(chunk)
                     self._fail(chunk, source)
                     progressed = True
@@ -211,13 +225,14 @@ class Fetch:
                 self.peers.pop(source, None)
                 self._fail(chunk, source)
             else:  # hashed on a verifier thread, while this one keeps moving bytes
-                self.verifying[chunk] = (source, self.ep.verifiers.submit(self.held.placed.checksum, chunk))
-        for chunk, (source, digest) in list(self.verifying.items()):
-            if not digest.done():
+                self.verifying[chunk] = Verifying(source, self.ep.verifiers.submit(self.held.placed.checksum, chunk))
+        for chunk, verifying in list(self.verifying.items()):
+            if not verifying.digest.done():
                 continue
             progressed = True
             del self.verifying[chunk]
-            if digest.result() != self.held.expected(chunk).checksum:
+            source = verifying.source
+            if verifying.digest.result() != self.held.expected(chunk).checksum:
                 self._warn(source, f"chunk {chunk} from {source} failed its checksum; re-planning it")
                 self.stats["corrupt"] += 1
                 self._fail(chunk, source)
@@ -243,9 +258,9 @@ class Fetch:
             log.warning("%s", message)
 
     def _finish(self, chunk: int) -> None:
-        _source, engine, xfer, _t0 = self.inflight.pop(chunk)
-        if not engine.release(xfer):
-            self.ep._zombies.append((engine, xfer))
+        reading = self.inflight.pop(chunk)
+        if not reading.engine.release(reading.xfer):
+            self.ep._zombies.append(Zombie(reading.engine, reading.xfer))
         with self.held.lock:
             self.held.reading.pop(chunk, None)
 
@@ -259,10 +274,12 @@ class Fetch:
             self.first_result = time.monotonic()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop every read in flight (bounded), so the hub's Cancel may follow."""
+        """Stop every read in flight, waiting up to ``timeout`` seconds for them to end;
+        one still running then is released anyway (kept as a zombie if it cannot be).
+        Afterwards no read of this fetch is ours to poll, so the hub's Cancel may follow."""
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
-            for chunk, (_s, engine, xfer, _t) in list(self.inflight.items()):
-                if engine.state(xfer) != "pending" or time.monotonic() >= deadline - 0.01:
+            for chunk, reading in list(self.inflight.items()):
+                if reading.engine.state(reading.xfer) != "pending" or time.monotonic() >= deadline - 0.01:
                     self._finish(chunk)
             time.sleep(0.001)

@@ -1,7 +1,9 @@
 """The holder side of the peer channel (see ``engines.wire``): an asyncio TCP server on
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
-replicas and ``ReadBytes`` from the memory it serves. Every connection is closed after
-a refused ask; an idle connection is closed after ``idle_s``."""
+replicas and ``ReadBytes`` from the memory it serves (``engines.serve``, whatever the
+endpoint's engine). Every connection is closed after a refused ask; an idle connection
+is closed after ``idle_s`` (default 300 s). ``close(timeout)`` stops accepting and
+waits up to ``timeout`` (default 5 s) for the server thread to end."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 from typing import Callable
 
 from ..engines import wire
-from ..engines.tcp import Regions, serve_read
+from ..engines.serve import Regions, serve_read
 
 log = logging.getLogger("tensorhub.peer")
 
@@ -66,12 +68,14 @@ class PeerServer:
         writer.write(wire.frame(wire.Answer(body=wire.Refused(code=code, message=message))))
         await writer.drain()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """No new connection is accepted once this returns. Waits up to ``timeout`` for
+        the listener to close and again for the server thread to end."""
         async def stop() -> None:
             self._server.close()
             await self._server.wait_closed()
 
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=5)
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=timeout)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..engines import wire
 from ..hub import protocol as p
-from .layout import Placed
+from ..layout import Placed
 
 
 @dataclass

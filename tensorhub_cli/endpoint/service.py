@@ -6,7 +6,12 @@ forgot us: register again. Between beats the thread waits on the hub socket for
 pushed ``Command``s in slices of 1 ms while readers are at our memory (the engine's
 passive side must progress for peers' reads to finish), 10 ms while we hold memory
 nobody asked about lately, 50 ms otherwise. Commands run on a
-worker thread, one at a time, so a long fetch never stalls heartbeats.
+worker thread, one at a time, through the endpoint's command handler (see
+``endpoint.commands``), so a long fetch never stalls heartbeats.
+
+Waits: each Register or Heartbeat waits ``max(heartbeat_s, 1 s)`` for the hub (a
+beat must not outlast the next one by much); ``stop`` waits ``join_timeout`` for the
+thread and ``deregister_timeout`` for the hub's acknowledgement.
 """
 
 from __future__ import annotations
@@ -20,14 +25,17 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 
 log = logging.getLogger("tensorhub.endpoint")
-HOT_S = 30.0
 
 
 class Service:
-    def __init__(self, ep, client: HubClient, heartbeat_s: float):
+    def __init__(self, ep, client: HubClient, heartbeat_s: float, handler, *, hot_s: float = 30.0):
+        """``handler(ep, cmd)`` runs each pushed ``Command`` on the worker thread;
+        ``hot_s``: how long after a peer's last ask we keep the 1 ms engine pace."""
         self.ep = ep
         self.client = client
         self.heartbeat_s = heartbeat_s
+        self.handler = handler
+        self.hot_s = hot_s
         self.registered = threading.Event()
         self.stopping = threading.Event()
         self.last_error: str | None = None
@@ -80,12 +88,12 @@ class Service:
 
     def _slice(self, holding: bool, now: float) -> float:
         """How long to wait for hub frames before progressing the engine again. While
-        readers are at us (a describe within ``HOT_S``) a READ's rendezvous waits at most
-        1 ms for us; otherwise 10 ms, as a 1 ms loop costs ~6% of a core per holder
-        (measured on these 2-core machines)."""
+        readers are at us (a describe within ``hot_s``) a READ's rendezvous waits at most
+        1 ms for us; otherwise 10 ms, as a 1 ms loop costs a few percent of a core per
+        holder (docs/design.md, "Measurements behind the defaults")."""
         if not holding:
             return 0.05
-        return 0.001 if now - self.ep.peer.last_ask < HOT_S else 0.01
+        return 0.001 if now - self.ep.peer.last_ask < self.hot_s else 0.01
 
     def _work(self) -> None:
         while True:
@@ -93,16 +101,20 @@ class Service:
             if cmd is None:
                 return
             try:
-                self.ep.on_command(cmd)
+                self.handler(self.ep, cmd)
             except Exception:
                 log.exception("%s: command %s failed", self.ep.name, cmd)
 
-    def stop(self) -> None:
+    def stop(self, *, join_timeout: float = 5.0, deregister_timeout: float = 1.0) -> None:
+        """Ends the beats (the service thread is given ``join_timeout`` to finish its
+        slice) and tells the hub we left (if it answers within ``deregister_timeout``).
+        The worker is not waited for: it runs the commands already queued (against a
+        closing endpoint), then ends."""
         self.stopping.set()
         self.commands.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=join_timeout)
         try:
-            self.client.call(p.Deregister(name=self.ep.name), timeout=1.0)
+            self.client.call(p.Deregister(name=self.ep.name), timeout=deregister_timeout)
         except (HubError, HubUnreachable):
             pass
         self.client.close()

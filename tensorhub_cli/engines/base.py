@@ -9,11 +9,14 @@ gives up on it; see ``release``). Reads are one-sided: the holder's code does no
 per read beyond calling ``progress`` regularly, which some transports need.
 
 Memory handed to ``register`` must stay allocated and unmoved until ``deregister``;
-once ``deregister`` returns, the caller may free or overwrite it.
+once ``deregister`` returns, the caller may free or overwrite it. The holder side of
+the tcp engine's reads (``ReadBytes`` on the peer channel) is ``engines.serve``: every
+endpoint serves it whatever its own engine, so a tcp reader can read any holder.
 """
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from typing import Literal, NamedTuple
 
@@ -24,6 +27,12 @@ class Region(NamedTuple):
     addr: int
     nbytes: int
     device: int = -1  # -1: host memory; >= 0: that CUDA device
+
+
+def host_view(addr: int, nbytes: int) -> memoryview:
+    """A writable view of host memory at ``addr`` (registered memory only: the view
+    does not keep it alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
 class Pair(NamedTuple):
@@ -37,16 +46,21 @@ class EngineError(Exception):
 
 
 class Engine(ABC):
+    """Per method: what the caller may do once it returns."""
+
     kind: str
     needs_progress: bool = False  # True: reads of our memory stall unless ``progress`` runs
 
     @abstractmethod
     def register(self, regions: list[Region]) -> object:
-        """Make ``regions`` readable by peers and writable by our reads; returns a handle."""
+        """Make ``regions`` readable by peers and writable by our reads; returns a handle.
+        The caller may ``describe`` it and read into the regions; it must keep the
+        memory allocated and unmoved until ``deregister``."""
 
     @abstractmethod
     def describe(self, handle: object) -> bytes:
-        """What a remote reader needs, besides addresses, to read the handle's regions."""
+        """What a remote reader needs, besides addresses, to read the handle's regions.
+        The caller may hand it to any authenticated reader, any number of times."""
 
     @abstractmethod
     def deregister(self, handle: object) -> None:
@@ -54,27 +68,31 @@ class Engine(ABC):
 
     @abstractmethod
     def add_peer(self, address: str, description: bytes) -> object:
-        """Load a holder's description (idempotent); returns the peer key ``read`` takes."""
+        """Load a holder's description (idempotent); returns the peer key ``read`` takes.
+        Raises EngineError when the description cannot be loaded."""
 
     @abstractmethod
     def read(self, peer: object, pairs: list[Pair], device: int = -1) -> object:
         """Start one read of all ``pairs`` into local memory on ``device`` (-1: host);
         returns a transfer to poll. Raises EngineError
-        when the read cannot even start (unknown peer, unregistered memory)."""
+        when the read cannot even start (unknown peer, unregistered memory). The caller
+        must leave the target memory alone and poll ``state`` until it is not pending,
+        then ``release`` it."""
 
     @abstractmethod
     def state(self, transfer: object) -> State:
-        ...
+        """``done``: every target byte arrived (unverified); ``failed``: the target's
+        bytes are undefined; ``pending``: poll again. Never blocks."""
 
     @abstractmethod
     def release(self, transfer: object) -> bool:
         """Free a transfer. Returns False when it is still in flight and could not be
         stopped; the caller keeps it and tries again later (its target memory may still
-        be written until then)."""
+        be written until then). True: the target memory is the caller's again."""
 
     def progress(self) -> None:
         """Let the transport serve peers' reads of our memory; called every millisecond
-        or so by the endpoint's service thread while it holds anything."""
+        or so by the endpoint's service thread while it holds anything. Never blocks."""
 
     def close(self) -> None:
-        ...
+        """Stop the engine; the caller makes no further call on it."""

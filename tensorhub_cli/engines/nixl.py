@@ -1,20 +1,17 @@
 """NIXL engine: one-sided UCX READs of registered host (DRAM) or CUDA (VRAM) memory.
 
-Defaults, all measured on the 2-core CPU machines this was built on (nixl-cu13 1.5.1):
+Defaults (the figures behind them: docs/design.md, "Measurements behind the defaults"):
 
 - ``UCX_MODULES=^ib`` (set by ``nixl_shim``): UCX's InfiniBand module makes a process
   that created a backend die with SIGSEGV at exit on hosts without RDMA devices.
 - No progress thread (``enable_prog_thread=False``): the wrapper's thread spins a full
   core per agent even when idle. Our endpoint calls ``progress`` from its service
-  thread instead: every millisecond while peers are reading us (~6% of a core per
-  holder here), every 10 ms otherwise.
+  thread instead: every millisecond while peers are reading us, every 10 ms otherwise.
 - The passive side must progress: without it a holder never answers the rendezvous
-  and a READ stays pending forever (seen: 60 s, no completion, shared memory and TCP
-  alike). With the 1 ms loop a 256 MiB READ matched the wrapper's own thread.
-- Transports are left to UCX. Between processes of one host it chose shared memory
-  (CMA): 6.4–6.7 GB/s for a warm 256 MiB READ; ``UCX_TLS=tcp`` gave 0.8–0.9 GB/s on
-  the same path. ``UCX_TLS=cma,self`` or ``sm,self`` fail to create the backend ("no
-  active messages transport"), so we never narrow UCX_TLS ourselves.
+  and a READ stays pending forever, over shared memory and TCP alike.
+- Transports are left to UCX (between processes of one host it picks shared memory).
+  ``UCX_TLS=cma,self`` or ``sm,self`` fail to create the backend ("no active messages
+  transport"), so we never narrow UCX_TLS ourselves.
 - Logging: the wrapper logs INFO lines to stdout; ``load_nixl`` moves them to stderr.
 - Metadata: ``describe`` returns partial agent metadata (the handle's regions plus
   connection info). Loading it again for a known agent adds the new regions (checked),

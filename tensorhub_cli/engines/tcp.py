@@ -3,69 +3,21 @@
 Reader side: ``read`` runs on a small thread pool; each read takes a pooled blocking
 connection to the holder, sends a ``ReadBytes`` ask per pair and receives the bytes
 with ``recv_into`` straight into the destination memory (no intermediate buffer).
-Every socket has a timeout, so a silent holder fails the read instead of hanging it.
+Every socket has a timeout (``timeout``, default 10 s: one connect, send or receive),
+so a silent holder fails the read instead of hanging it.
 
-Holder side: ``serve_read`` (called by the endpoint's asyncio peer server) streams the
-asked range from registered memory in 1 MiB slices, so at most one slice is buffered
-per connection. ``TH_TEST_SERVE_BPS`` throttles serving (bytes/s): a test hook that
-makes a read slow enough to unpublish under.
+Holder side: nothing here. The endpoint's peer server answers ``ReadBytes`` with
+``engines.serve`` for every engine, so registration only refuses device memory.
 """
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import wire
-from .base import Engine, EngineError, Pair, Region, State
-
-SLICE = 1 << 20
-
-
-def host_view(addr: int, nbytes: int) -> memoryview:
-    """A writable view of host memory at ``addr`` (registered memory only)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
-
-
-class Regions:
-    """The memory an endpoint serves; every ask is checked against it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_handle: dict[int, list[Region]] = {}
-
-    def add(self, key: int, regions: list[Region]) -> None:
-        with self._lock:
-            self._by_handle[key] = list(regions)
-
-    def remove(self, key: int) -> None:
-        with self._lock:
-            self._by_handle.pop(key, None)
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        with self._lock:
-            return any(r.device < 0 and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes
-                       for regions in self._by_handle.values() for r in regions)
-
-
-async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.ReadBytes) -> None:
-    if ask.nbytes <= 0 or not regions.contains(ask.addr, ask.nbytes):
-        writer.write(wire.frame(wire.Answer(body=wire.Refused(
-            code="not_registered", message=f"{ask.nbytes} bytes at {ask.addr:#x} are not memory this endpoint serves"))))
-        await writer.drain()
-        return
-    writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=ask.nbytes))))
-    rate = float(os.environ.get("TH_TEST_SERVE_BPS") or 0)
-    view = host_view(ask.addr, ask.nbytes)
-    for start in range(0, ask.nbytes, SLICE):
-        writer.write(view[start:start + SLICE])
-        await writer.drain()
-        if rate:
-            await asyncio.sleep(min(SLICE, ask.nbytes - start) / rate)
+from .base import Engine, EngineError, Pair, Region, State, host_view
 
 
 class TcpEngine(Engine):
@@ -82,7 +34,7 @@ class TcpEngine(Engine):
     def register(self, regions: list[Region]) -> object:
         if any(r.device >= 0 for r in regions):
             raise EngineError("the tcp engine serves host memory only; use nixl for CUDA tensors")
-        return object()  # what we serve is the endpoint's Regions, kept for every engine
+        return object()  # what we serve is the endpoint's serve.Regions, kept for every engine
 
     def describe(self, handle: object) -> bytes:
         return b""  # addresses are all a tcp reader needs

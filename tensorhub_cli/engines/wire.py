@@ -106,6 +106,8 @@ def recv_answer(sock: socket.socket) -> Answer:
 
 
 def dial(address: str, timeout: float, source: Optional[str] = None) -> socket.socket:
+    """A connection to ``address`` whose connect and every later send and receive
+    give up after ``timeout`` seconds (``socket.timeout``, an ``OSError``)."""
     host, _, port = address.rpartition(":")
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout,
@@ -118,7 +120,9 @@ def dial(address: str, timeout: float, source: Optional[str] = None) -> socket.s
 
 def describe(address: str, token: str, model: str, version: int, timeout: float,
              source: Optional[str] = None) -> Described:
-    """Ask the holder at ``address`` where its chunks of ``model@version`` live."""
+    """Ask the holder at ``address`` where its chunks of ``model@version`` live.
+    ``timeout`` (seconds; no default: the caller's budget) bounds the connect and each
+    send and receive. Raises ``PeerError`` on refusal, silence or a bad answer."""
     with dial(address, timeout, source) as sock:
         try:
             sock.sendall(frame(Ask(v=WIRE_VERSION, token=token, op=Describe(model=model, version=version))))

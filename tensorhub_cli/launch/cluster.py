@@ -7,6 +7,12 @@ registered. Each start is recorded in ``state.json`` as it returns. Any failure 
 down exactly what was started and raises ``UpError`` with the reason (per node: ssh
 errors, or the log tail of an agent that died). ``down`` stops the recorded processes
 that are still ours, agents first so they can deregister, then the hub.
+
+Every wait has a limit the caller may set: ``up(timeout=)`` for registration (and
+``call_timeout`` per status request to the hub), ``down(stop_timeout=)`` per process,
+``processes_alive(connect_timeout=)`` per unreachable node. ssh connections take the
+spec's ``ssh.connect_timeout_s``; agents (and runners, ``scale``) get the spec's
+``endpoints`` limits as flags.
 """
 
 from __future__ import annotations
@@ -21,7 +27,13 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, load, resolve_path
 from .local import LocalLauncher
+from .procs import STOP_TIMEOUT_S
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
+
+
+AGENTS_REGISTER_TIMEOUT_S = 30.0  # default: every agent registered with the hub within this
+STATUS_CALL_TIMEOUT_S = 1.0  # default: one status request while waiting for registrations
+PROBE_CONNECT_TIMEOUT_S = 3.0  # default cap on an ssh connect when only asking "still running?"
 
 
 class UpError(Exception):
@@ -43,6 +55,13 @@ def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_t
     raise UpError(f"launcher {kind!r} is unknown (known: local, ssh)")
 
 
+def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:
+    """The spec's ``endpoints`` limits as the flags agents and runners take."""
+    e = spec.endpoints
+    return ["--read-timeout-s", str(e.read_timeout_s), "--plan-timeout-s", str(e.plan_timeout_s),
+            "--drain-timeout-s", str(e.drain_timeout_s)]
+
+
 def running_procs(state: ClusterState, launcher) -> list[str]:
     return [f"{r.role}@{r.node} (pid {r.pid})" for r in state.procs if launcher.alive(r)]
 
@@ -55,7 +74,8 @@ def _token(spec: ClusterSpec, spec_path: Path) -> str | None:
     return None
 
 
-def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> ClusterState:
+def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIMEOUT_S, log=print,
+       call_timeout: float = STATUS_CALL_TIMEOUT_S) -> ClusterState:
     d = cluster_dir(spec.name)
     from .ssh import SshError
 
@@ -105,8 +125,8 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
         def start_agent(node) -> None:
             args = ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--node", node.name,
                     "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
-                    "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine] + (
-                        ["--spot"] if node.spec.spot else [])
+                    "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine,
+                    *endpoint_timeout_args(spec)] + (["--spot"] if node.spec.spot else [])
             rec = launcher.start(node, "agent", "tensorhub_cli.agent", args)
             with lock:
                 state.procs.append(rec)
@@ -118,7 +138,7 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
             problems = [str(f.exception()) for f in futures if f.exception() is not None]
         if problems:
             raise UpError("\n".join(problems))
-        wait_registered(spec, state, launcher, timeout)
+        wait_registered(spec, state, launcher, timeout, call_timeout)
     except SshError as exc:
         down_state(state, launcher, log=lambda *_: None)
         raise UpError(str(exc)) from None
@@ -130,7 +150,10 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = 30.0, log=print) -> 
     return state
 
 
-def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: float) -> None:
+def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: float,
+                    call_timeout: float = STATUS_CALL_TIMEOUT_S) -> None:
+    """Until every node's agent is alive at the hub, at most ``timeout`` seconds; each
+    status request waits at most ``call_timeout``."""
     want = {f"agent-{n.name}": n.name for n in spec.nodes()}
     client = HubClient(state.hub_address, read_token(spec.name))
     deadline = time.monotonic() + timeout
@@ -144,7 +167,7 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
                 if not launcher.alive(hub):
                     raise UpError(f"hub exited during start-up; its log ends:\n{launcher.log_tail(hub)}")
             try:
-                status = client.call(p.Status(), timeout=1.0)
+                status = client.call(p.Status(), timeout=call_timeout)
                 missing = set(want) - {e.name for e in status.endpoints if e.alive}
                 if not missing:
                     return
@@ -162,9 +185,10 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
     raise UpError("\n".join(lines))
 
 
-def down_state(state: ClusterState, launcher, log=print) -> list[tuple[str, str, str]]:
+def down_state(state: ClusterState, launcher, log=print,
+               stop_timeout: float = STOP_TIMEOUT_S) -> list[tuple[str, str, str]]:
     """Runners first, then agents (each batch in parallel, so they can deregister while
-    the hub is up), then the hub."""
+    the hub is up), then the hub; each gets ``stop_timeout`` seconds before SIGKILL."""
     runners = [r for r in state.procs if r.role not in ("hub", "agent")]
     agents = [r for r in state.procs if r.role == "agent"]
     hubs = [r for r in state.procs if r.role == "hub"]
@@ -174,7 +198,7 @@ def down_state(state: ClusterState, launcher, log=print) -> list[tuple[str, str,
             if not batch:
                 continue
             with ThreadPoolExecutor(max(1, min(launcher.parallel, len(batch)))) as pool:
-                outcomes = list(pool.map(launcher.stop, batch))
+                outcomes = list(pool.map(lambda rec: launcher.stop(rec, timeout=stop_timeout), batch))
             for rec, outcome in zip(batch, outcomes):
                 results.append((rec.role, rec.node, outcome))
                 log(f"{rec.role:<7} {rec.node:<12} {outcome}")
@@ -185,20 +209,22 @@ def down_state(state: ClusterState, launcher, log=print) -> list[tuple[str, str,
     return results
 
 
-def down(name: str, log=print) -> list[tuple[str, str, str]]:
+def down(name: str, log=print, stop_timeout: float = STOP_TIMEOUT_S) -> list[tuple[str, str, str]]:
     state = read_state(name)
     if state is None:
         raise LookupError(f"cluster {name!r} is not running (no state under {cluster_dir(name)})")
-    return down_state(state, launcher_for(state.launcher, None, cluster_dir(name)), log=log)
+    return down_state(state, launcher_for(state.launcher, None, cluster_dir(name)), log=log,
+                      stop_timeout=stop_timeout)
 
 
-def processes_alive(name: str, state: ClusterState) -> dict[tuple[str, str], bool | None]:
+def processes_alive(name: str, state: ClusterState,
+                    connect_timeout: float = PROBE_CONNECT_TIMEOUT_S) -> dict[tuple[str, str], bool | None]:
     """(role, node) → is the recorded process still ours; None when it cannot be told
     (its node unreachable). Checked in parallel: over ssh each is a round trip, and an
-    unreachable node costs at most 3 s, not the spec's full connect timeout."""
+    unreachable node costs at most ``connect_timeout``, not the spec's full one."""
     from .ssh import SshError
 
-    launcher = launcher_for(state.launcher, None, cluster_dir(name), connect_timeout=3.0)
+    launcher = launcher_for(state.launcher, None, cluster_dir(name), connect_timeout=connect_timeout)
 
     def check(rec) -> bool | None:
         try:

@@ -2,6 +2,8 @@
 
 Each hub/agent is a detached process of this machine's Python (or the node's
 ``bootstrap.python``) that binds, or connects from, its node's 127.x address.
+Stopping waits at most the ``timeout`` and ``kill_timeout`` each call gives
+(``procs.stop``); ``logs --follow`` polls the file until the caller is interrupted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..spec import ClusterSpec, PlacedNode
-from .procs import ProcRecord, is_ours, log_tail, spawn, stop
+from .procs import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ProcRecord, is_ours, log_tail, spawn, stop
 
 
 class LocalLauncher:
@@ -51,8 +53,9 @@ class LocalLauncher:
     def alive(self, rec: ProcRecord) -> bool:
         return is_ours(rec)
 
-    def stop(self, rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
-        return stop(rec, timeout, sig)
+    def stop(self, rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM",
+             kill_timeout: float = KILL_TIMEOUT_S) -> str:
+        return stop(rec, timeout, sig, kill_timeout)
 
     def log_tail(self, rec: ProcRecord, lines: int = 8) -> str:
         return log_tail(rec.log, lines)

@@ -3,7 +3,9 @@
 Both ask the hub to command endpoints (``Load`` → the node's agent, ``Sync`` → the
 targets), then watch the hub's view until every target is done or has failed: a
 complete replica is success; a ``*_failed`` report, or a target the hub no longer
-lists as alive, is failure. Nothing here moves bytes. Every wait has a deadline.
+lists as alive, is failure. Nothing here moves bytes. Every wait has a deadline the
+caller passes: ``timeout`` for the whole operation, ``call_timeout`` for each request
+to the hub, ``poll_s`` between looks at its view.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Callable, Optional
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 
-POLL_S = 0.2
+POLL_S = 0.2  # default pause between two status requests while watching
+CALL_TIMEOUT_S = 5.0  # default limit of one request to the hub
 
 
 class OperateError(Exception):
@@ -25,7 +28,7 @@ class OperateError(Exception):
         self.code = code
 
 
-def _call(client: HubClient, op: p.Op, timeout: float = 5.0):
+def _call(client: HubClient, op: p.Op, timeout: float):
     try:
         return client.call(op, timeout=timeout)
     except HubError as exc:
@@ -34,8 +37,8 @@ def _call(client: HubClient, op: p.Op, timeout: float = 5.0):
         raise OperateError(str(exc)) from None
 
 
-def _last_seq(client: HubClient) -> int:
-    events = _call(client, p.Status()).events
+def _last_seq(client: HubClient, timeout: float) -> int:
+    events = _call(client, p.Status(), timeout).events
     return events[-1].seq if events else 0
 
 
@@ -55,9 +58,9 @@ def check_checkpoint(path: Path) -> None:
         raise OperateError(f"--from {path}: not a safetensors file ({exc})", 2) from None
 
 
-def next_version(client: HubClient, model: str) -> int:
+def next_version(client: HubClient, model: str, call_timeout: float = CALL_TIMEOUT_S) -> int:
     try:
-        versions = client.call(p.Versions(model=model), timeout=5.0).versions
+        versions = client.call(p.Versions(model=model), timeout=call_timeout).versions
     except HubError as exc:
         if exc.code != "not_found":
             raise OperateError(str(exc)) from None
@@ -68,20 +71,21 @@ def next_version(client: HubClient, model: str) -> int:
 
 
 def publish_file(client: HubClient, node: str, model: str, path: str, version: int, chunk_bytes: int,
-                 timeout: float) -> p.VersionStatus:
-    """Have ``node``'s agent load ``path`` and publish it; returns the READY version."""
-    since = _last_seq(client)
-    _call(client, p.Load(node=node, model=model, version=version, path=path, chunk_bytes=chunk_bytes))
+                 timeout: float, call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S) -> p.VersionStatus:
+    """Have ``node``'s agent load ``path`` and publish it; returns the READY version,
+    or fails once ``timeout`` seconds have passed."""
+    since = _last_seq(client, call_timeout)
+    _call(client, p.Load(node=node, model=model, version=version, path=path, chunk_bytes=chunk_bytes), call_timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = _call(client, p.Status())
+        status = _call(client, p.Status(), call_timeout)
         for e in status.events:
             if e.seq > since and e.kind == "load_failed" and (e.model, e.version) == (model, version):
                 raise OperateError(f"agent-{node} could not publish {path}: {e.message}")
         for v in status.versions:
             if (v.model, v.version) == (model, version) and v.state == "READY":
                 return v
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
     raise OperateError(f"{model}@{version} was not READY within {timeout:.0f}s (see `th logs {node}`)")
 
 
@@ -106,14 +110,17 @@ class SyncRun:
 
 
 def sync(client: HubClient, model: str, version: Optional[int], role: Optional[str], node: Optional[str],
-         timeout: float, on_update: Callable[[SyncRun], None] = lambda run: None) -> SyncRun:
-    since = _last_seq(client)
-    synced = _call(client, p.Sync(model=model, version=version, role=role, node=node))
+         timeout: float, on_update: Callable[[SyncRun], None] = lambda run: None,
+         call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S) -> SyncRun:
+    """Ask for the sync and watch it; a target not done within ``timeout`` seconds is
+    marked failed."""
+    since = _last_seq(client, call_timeout)
+    synced = _call(client, p.Sync(model=model, version=version, role=role, node=node), call_timeout)
     run = SyncRun(model=model, version=synced.version, nbytes=0,
                   targets={n: Target(n) for n in synced.targets})
     deadline = time.monotonic() + timeout
     while not run.finished:
-        status = _call(client, p.Status())
+        status = _call(client, p.Status(), call_timeout)
         alive = {e.name for e in status.endpoints if e.alive}
         vs = next((v for v in status.versions if (v.model, v.version) == (model, run.version)), None)
         holders = {h.name: h for h in vs.holders} if vs else {}
@@ -139,5 +146,5 @@ def sync(client: HubClient, model: str, version: Optional[int], role: Optional[s
                 if not t.done and not t.failed:
                     t.failed = f"not complete within {timeout:.0f}s"
             break
-        time.sleep(POLL_S)
+        time.sleep(poll_s)
     return run

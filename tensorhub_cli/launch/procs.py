@@ -4,6 +4,16 @@ Protocol: ``spawn`` starts a detached process (own session, stdin closed, output
 log file) and returns a ``ProcRecord``. A record names a process by PID *and* kernel
 start time *and* a marker in its command line, so ``is_ours`` is false once the PID has
 been reused by anything else, and ``stop`` can never signal a stranger.
+
+Process facts come from psutil. The start time is stored as the kernel's own number,
+clock ticks from boot to the process's start (field 22 of ``/proc/PID/stat``), not as
+psutil's wall-clock ``create_time()``: ticks never move when the system clock is
+stepped (NTP, a resumed VM), so a record written by ``th up`` still matches in a later
+``th down``; it is also the number an ssh node's shell reports (``launch/ssh.py``), and
+the number ``state.json`` has always held.
+
+Every wait takes its limit as an argument; the module constants are only the
+documented defaults of those arguments.
 """
 
 from __future__ import annotations
@@ -16,63 +26,62 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+STOP_TIMEOUT_S = 5.0  # default grace between SIGTERM (or USR1) and SIGKILL
+KILL_TIMEOUT_S = 2.0  # default wait for a SIGKILLed process to be gone
+CHILD_TIMEOUT_S = 10.0  # default wait for a child we hold to exit after each signal
 
 
 class ProcRecord(msgspec.Struct):
     role: str  # "hub" or "agent"
     node: str
     pid: int
-    starttime: int  # clock ticks since boot, field 22 of /proc/PID/stat
-    marker: str  # a string that must appear in /proc/PID/cmdline
+    starttime: int  # clock ticks from boot to the process's start (kernel's starttime)
+    marker: str  # a string that must appear in the process's command line
     log: str
 
 
-def stat_fields(stat: str) -> list[str]:
-    """Fields 3.. of a /proc/PID/stat line (index 0 is field 3: the state)."""
-    # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def matches(rec: "ProcRecord", stat: str, cmdline: str) -> bool:
-    """Is the process whose /proc stat and cmdline these are the one ``rec`` names?"""
-    fields = stat_fields(stat)
-    return int(fields[19]) == rec.starttime and rec.marker in cmdline and fields[0] != "Z"
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat, or None if no such process."""
-    try:
-        return stat_fields(Path(f"/proc/{pid}/stat").read_text())
-    except OSError:
-        return None
-
-
-def _starttime(pid: int) -> int | None:
-    fields = _stat(pid)
-    return None if fields is None else int(fields[19])
+def start_ticks(pid: int) -> int:
+    """The kernel's start time of process ``pid``, in clock ticks since boot.
+    Raises ``psutil.NoSuchProcess`` when there is no such process."""
+    # psutil reports boot time + ticks / CLK_TCK, where boot time is /proc/stat's btime,
+    # which shifts when the clock is stepped. Equal btime reads on both sides of the
+    # create_time read make the subtraction exact; a fresh Process each try, since a
+    # Process caches its create_time.
+    for _ in range(3):
+        boot = psutil.boot_time()
+        created = psutil.Process(pid).create_time()
+        if psutil.boot_time() == boot:
+            break
+    return round((created - boot) * CLK_TCK)
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used so far (fields 14 and 15)."""
-    fields = _stat(pid)
-    if fields is None:
-        raise ProcessLookupError(f"no process {pid}")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _cmdline(pid: int) -> str:
+    """User + system CPU time the process has used so far."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        raise ProcessLookupError(f"no process {pid}") from None
+    return times.user + times.system
+
+
+def _ours(rec: ProcRecord) -> psutil.Process | None:
+    """The live process ``rec`` names, or None (gone, a zombie, or a reused PID)."""
+    try:
+        proc = psutil.Process(rec.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None  # it has exited; only its exit status waits to be reaped
+        if start_ticks(rec.pid) != rec.starttime or rec.marker not in " ".join(proc.cmdline()):
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None  # NoSuchProcess covers ZombieProcess; AccessDenied: not one we started
 
 
 def is_ours(rec: ProcRecord) -> bool:
-    try:
-        stat = Path(f"/proc/{rec.pid}/stat").read_text()
-    except OSError:
-        return False
-    return matches(rec, stat, _cmdline(rec.pid))
+    return _ours(rec) is not None
 
 
 def spawn(role: str, node: str, argv: list[str], log: Path, marker: str, env: dict[str, str] | None = None) -> ProcRecord:
@@ -89,32 +98,45 @@ def spawn(role: str, node: str, argv: list[str], log: Path, marker: str, env: di
             env={**os.environ, **(env or {})},
             close_fds=True,
         )
-    start = _starttime(proc.pid)
-    if start is None:
-        raise RuntimeError(f"{role} on {node} exited at once; see {log}")
+    try:
+        start = start_ticks(proc.pid)
+    except psutil.NoSuchProcess:
+        raise RuntimeError(f"{role} on {node} exited at once; see {log}") from None
     # Popen keeps a handle to reap the child; `th up` exits soon and init reaps it then.
     return ProcRecord(role=role, node=node, pid=proc.pid, starttime=start, marker=marker, log=str(log))
 
 
-def stop(rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
+def stop(rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM",
+         kill_timeout: float = KILL_TIMEOUT_S) -> str:
     """SIG``sig`` (TERM; USR1 asks an agent to drain first), then SIGKILL after
-    ``timeout``. Returns what happened, for the user."""
-    if not is_ours(rec):
+    ``timeout`` seconds, then wait up to ``kill_timeout`` for it to be gone. Returns
+    what happened, for the user."""
+    proc = _ours(rec)
+    if proc is None:
         return "not running"
-    os.kill(rec.pid, getattr(signal, f"SIG{sig}"))
+    try:
+        # psutil re-checks the PID's identity before it signals: no stranger in between.
+        proc.send_signal(getattr(signal, f"SIG{sig}"))
+    except psutil.NoSuchProcess:
+        return "stopped"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _reap(rec.pid)
         if not is_ours(rec):
             return "stopped"
         time.sleep(0.05)
-    os.kill(rec.pid, signal.SIGKILL)
-    for _ in range(100):
+    try:
+        proc.kill()
+    except psutil.NoSuchProcess:
+        return "stopped"
+    deadline = time.monotonic() + kill_timeout
+    while True:
         _reap(rec.pid)
         if not is_ours(rec):
             return "killed"
+        if time.monotonic() >= deadline:
+            return "would not die"
         time.sleep(0.02)
-    return "would not die"
 
 
 def inner_pid(proc: subprocess.Popen) -> int:
@@ -122,24 +144,26 @@ def inner_pid(proc: subprocess.Popen) -> int:
     ``nsenter --pid`` (which forks the command into the target's PID namespace and
     forwards no signals), its one child. Signal this, then wait for ``proc``."""
     try:
-        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    except OSError:
+        outer = psutil.Process(proc.pid)
+        kids = outer.children() if outer.name() == "nsenter" else []
+    except psutil.Error:
         return proc.pid
-    is_nsenter = Path(f"/proc/{proc.pid}/comm").read_text().strip() == "nsenter" if kids else False
-    return int(kids[0]) if is_nsenter else proc.pid
+    return kids[0].pid if kids else proc.pid
 
 
-def kill_child(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGKILL a child we hold (through ``nsenter`` if it is one) and reap it."""
+def kill_child(proc: subprocess.Popen, timeout: float = CHILD_TIMEOUT_S) -> None:
+    """SIGKILL a child we hold (through ``nsenter`` if it is one) and reap it, waiting
+    up to ``timeout`` seconds (``subprocess.TimeoutExpired`` past that)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(inner_pid(proc), signal.SIGKILL)
         proc.wait(timeout=timeout)
 
 
-def stop_child(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def stop_child(proc: subprocess.Popen, timeout: float = CHILD_TIMEOUT_S) -> None:
     """Stop a child this process started and still holds (so its PID cannot have been
-    reused): SIGTERM, SIGKILL after ``timeout``, and reap it."""
+    reused): SIGTERM, SIGKILL after ``timeout`` seconds, and reap it (waiting up to
+    ``timeout`` again)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(inner_pid(proc), signal.SIGTERM)

@@ -2,9 +2,11 @@
 
 A runner is a process of a role in the spec (``roles:``): ``runners.trainer`` for
 ``trainer``, ``runners.rollout`` for ``rollout``, or the module ``runner.command``
-names, with ``runner.args`` after ours. It is started by the cluster's launcher
-(local or ssh) like an agent, recorded in ``state.json`` (so ``th down`` stops it by
-PID), and named ``ROLE-NODE`` as an endpoint.
+names, with ``runner.args`` after ours (place, hub, heartbeat and the spec's
+``endpoints`` read/plan timeouts: ``runners.common.add_common`` takes them all). It
+is started by the cluster's launcher (local or ssh) like an agent, recorded in
+``state.json`` (so ``th down`` stops it by PID), and named ``ROLE-NODE`` as an
+endpoint.
 
 Protocol of ``scale(ROLE=COUNT | ROLE+N | ROLE-N)``:
 
@@ -24,6 +26,11 @@ lists what moved; every READY version stays READY throughout, as long as another
 live endpoint can hold a copy.
 
 Both record a ``scaled`` / ``failed_over`` event in the hub's log (``th status``).
+
+Limits: a leaving endpoint (runner on scale-down or failover, agent on failover) gets
+``endpoints.drain_timeout_s`` from the spec for each replica the hub says it holds (at
+least one) between its signal and SIGKILL; ``Operator``/``run`` take an override, and
+the limits of registration, hub requests and rollback, each with a default below.
 """
 
 from __future__ import annotations
@@ -35,14 +42,15 @@ from dataclasses import dataclass, field
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
-from .cluster import launcher_for
+from .cluster import endpoint_timeout_args, launcher_for
 from .procs import ProcRecord
 from .state import ClusterState, cluster_dir, read_token, write_state
 
 MODULES = {"trainer": "runners.trainer", "rollout": "runners.rollout"}
 CORE_ROLES = ("hub", "agent")
-DRAIN_GRACE_S = 120.0  # a leaving runner's unpublish-drain (and any retention pull) may take this long
-REGISTER_TIMEOUT_S = 120.0  # a runner imports torch (and transformers) before it registers
+REGISTER_TIMEOUT_S = 120.0  # default: a runner imports torch (and transformers) before it registers
+CALL_TIMEOUT_S = 5.0  # default limit of one request to the hub
+ROLLBACK_TIMEOUT_S = 10.0  # default grace of a runner stopped because its start failed: it holds nothing yet
 
 
 class ScaleError(Exception):
@@ -105,9 +113,16 @@ def _room(node: PlacedNode, state: ClusterState) -> int:
 class Operator:
     """One `th scale`/`th failover` call: the cluster's spec, state, launcher and hub."""
 
-    def __init__(self, name: str, state: ClusterState, log=print):
+    def __init__(self, name: str, state: ClusterState, log=print, *, drain_timeout: float | None = None,
+                 register_timeout: float = REGISTER_TIMEOUT_S, call_timeout: float = CALL_TIMEOUT_S,
+                 rollback_timeout: float = ROLLBACK_TIMEOUT_S):
+        """``drain_timeout`` (per replica) defaults to the spec's ``endpoints.drain_timeout_s``."""
         self.name, self.state, self.log = name, state, log
         self.spec = load(cluster_dir(name) / "spec.yaml")
+        self.drain_timeout = self.spec.endpoints.drain_timeout_s if drain_timeout is None else drain_timeout
+        self.register_timeout = register_timeout
+        self.call_timeout = call_timeout
+        self.rollback_timeout = rollback_timeout
         self.launcher = launcher_for(state.launcher, self.spec, cluster_dir(name))
         self.token = read_token(name)
         self.hub = HubClient(state.hub_address, self.token)
@@ -118,13 +133,13 @@ class Operator:
 
     def status(self) -> p.StatusReply:
         try:
-            return self.hub.call(p.Status(), timeout=5.0)
+            return self.hub.call(p.Status(), timeout=self.call_timeout)
         except (HubUnreachable, HubError) as exc:
             raise ScaleError(f"hub at {self.state.hub_address}: {exc}") from None
 
     def note(self, kind: str, message: str, endpoint: str = "") -> None:
         try:
-            self.hub.call(p.Note(kind=kind, message=message, endpoint=endpoint), timeout=5.0)
+            self.hub.call(p.Note(kind=kind, message=message, endpoint=endpoint), timeout=self.call_timeout)
         except (HubUnreachable, HubError) as exc:
             self.log(f"(event not recorded at the hub: {exc})")
 
@@ -152,7 +167,7 @@ class Operator:
         args = ["--hub", self.state.hub_address, "--token-file", self.launcher.token_path(node, self.token),
                 "--name", f"{role}-{node.spec.name}", "--node", node.spec.name, "--host", node.spec.address,
                 "--dc", node.dc, "--rack", node.rack, "--engine", self.spec.engine,
-                "--heartbeat-s", str(self.spec.hub.heartbeat_s)]
+                "--heartbeat-s", str(self.spec.hub.heartbeat_s), *endpoint_timeout_args(self.spec)]
         if role == "rollout" and node.spec.spot:
             args.append("--spot")
         return module, args + (runner.args if runner else [])
@@ -179,7 +194,7 @@ class Operator:
             self._await_registered(started)
         except BaseException:
             for rec in started:
-                self.launcher.stop(rec, timeout=10.0)
+                self.launcher.stop(rec, timeout=self.rollback_timeout)
                 self.state.procs.remove(rec)
             write_state(self.state)
             raise
@@ -187,7 +202,7 @@ class Operator:
 
     def _await_registered(self, recs: list[ProcRecord]) -> None:
         want = {f"{r.role}-{r.node}": r for r in recs}
-        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        deadline = time.monotonic() + self.register_timeout
         while want:
             seen = {e.name for e in self.status().endpoints if e.alive}
             want = {n: r for n, r in want.items() if n not in seen}
@@ -195,15 +210,26 @@ class Operator:
                 if not self.launcher.alive(rec):
                     raise ScaleError(f"{name} exited before registering; its log ends:\n{self.launcher.log_tail(rec)}")
             if want and time.monotonic() > deadline:
-                raise ScaleError(f"{', '.join(sorted(want))}: not registered within {REGISTER_TIMEOUT_S:.0f}s")
+                raise ScaleError(f"{', '.join(sorted(want))}: not registered within {self.register_timeout:.0f}s")
             time.sleep(0.2)
 
     # --- stopping ----------------------------------------------------------------
 
+    def drain_grace(self, rec: ProcRecord) -> float:
+        """How long ``rec`` may take to leave: ``drain_timeout`` for each replica its
+        endpoint holds, as the hub sees it now (at least one, and one when the hub
+        cannot be asked: a lost hub has no drain to wait for)."""
+        try:
+            endpoints = self.status().endpoints
+        except ScaleError:
+            return self.drain_timeout
+        held = next((e.replicas for e in endpoints if e.name == f"{rec.role}-{rec.node}"), 0)
+        return self.drain_timeout * max(1, held)
+
     def stop(self, recs: list[ProcRecord], sig: str = "TERM") -> list[str]:
         out = []
         for rec in recs:
-            how = self.launcher.stop(rec, timeout=DRAIN_GRACE_S, sig=sig)
+            how = self.launcher.stop(rec, timeout=self.drain_grace(rec), sig=sig)
             if how.startswith("unknown"):
                 raise ScaleError(f"{rec.role} on {rec.node}: {how}; it stays recorded")
             self.state.procs.remove(rec)
@@ -271,8 +297,11 @@ class Operator:
         return outcome
 
 
-def run(name: str, state: ClusterState, action, log=print) -> Outcome:
-    op = Operator(name, state, log)
+def run(name: str, state: ClusterState, action, log=print, *, drain_timeout: float | None = None,
+        register_timeout: float = REGISTER_TIMEOUT_S, call_timeout: float = CALL_TIMEOUT_S,
+        rollback_timeout: float = ROLLBACK_TIMEOUT_S) -> Outcome:
+    op = Operator(name, state, log, drain_timeout=drain_timeout, register_timeout=register_timeout,
+                  call_timeout=call_timeout, rollback_timeout=rollback_timeout)
     try:
         return action(op)
     finally:

@@ -11,7 +11,16 @@ start runs the node's bootstrap prefix and detaches the process with ``setsid`` 
 subshell whose stdio is redirected, so the SSH channel closes at once (a backgrounded
 list that keeps the channel's stdout would hold it open for the process's life). A
 ``ProcRecord`` names the remote process by PID, start time and a command-line
-marker, as for local processes, so ``stop`` never signals a stranger.
+marker, as for local processes, so ``stop`` never signals a stranger. The remote
+side reads that identity with ``cat /proc/PID/stat`` in the same shell line that
+starts or probes the process, not with psutil: a probe runs every 0.1 s while a stop
+waits, needs no Python start-up or bootstrap prefix, and works with whatever is
+installed on the node; ``stat_fields`` reads the reply here. The start time it gives
+is the kernel's clock ticks since boot, the number local records hold too.
+
+Timeouts: connecting takes the spec's ``ssh.connect_timeout_s`` (optionally capped by
+the caller); every remote command takes ``exec_timeout`` (per launcher, overridable per
+call); the preflight import check, which starts a Python on the node, ``check_timeout``.
 """
 
 from __future__ import annotations
@@ -25,9 +34,23 @@ from pathlib import Path
 import paramiko
 
 from ..spec import ClusterSpec, PlacedNode
-from .procs import ProcRecord, matches, stat_fields
+from .procs import STOP_TIMEOUT_S, ProcRecord
 
-EXEC_TIMEOUT_S = 20.0
+EXEC_TIMEOUT_S = 20.0  # default limit of one remote command (and of silence in a stream)
+CHECK_TIMEOUT_S = 60.0  # default limit of the preflight check: a cold node's first Python import
+UNRECORDED_KILL_TIMEOUT_S = 10.0  # default limit of the clean-up after a start that timed out
+
+
+def stat_fields(stat: str) -> list[str]:
+    """Fields 3.. of a /proc/PID/stat line a node sent (index 0 is field 3: the state)."""
+    # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def matches(rec: ProcRecord, stat: str, cmdline: str) -> bool:
+    """Is the remote process whose /proc stat and cmdline these are the one ``rec`` names?"""
+    fields = stat_fields(stat)
+    return int(fields[19]) == rec.starttime and rec.marker in cmdline and fields[0] != "Z"
 
 
 class SshError(Exception):
@@ -44,8 +67,12 @@ def _accept_hint(address: str, port: int, known_hosts: str) -> str:
 class Session:
     """One authenticated connection to one node; ``run`` executes a command there."""
 
-    def __init__(self, node: PlacedNode, spec: ClusterSpec, connect_timeout: float | None = None):
+    def __init__(self, node: PlacedNode, spec: ClusterSpec, connect_timeout: float | None = None,
+                 exec_timeout: float = EXEC_TIMEOUT_S):
+        """``connect_timeout`` caps the spec's ``connect_timeout_s``; ``exec_timeout`` is
+        the default limit of each ``run``."""
         self.node = node
+        self.exec_timeout = exec_timeout
         cfg = spec.ssh_for(node.spec)
         if connect_timeout is not None:
             cfg = cfg.model_copy(update={"connect_timeout_s": min(connect_timeout, cfg.connect_timeout_s or 10.0)})
@@ -86,8 +113,10 @@ class Session:
         except (OSError, socket.timeout) as exc:
             raise SshError(f"{where}: unreachable: {exc}") from None
 
-    def run(self, command: str, timeout: float = EXEC_TIMEOUT_S, stdin: str | None = None) -> tuple[int, str, str]:
-        """Run ``command`` and wait for it: (exit status, stdout, stderr)."""
+    def run(self, command: str, timeout: float | None = None, stdin: str | None = None) -> tuple[int, str, str]:
+        """Run ``command`` and wait for it, at most ``timeout`` seconds (default: the
+        session's ``exec_timeout``): (exit status, stdout, stderr)."""
+        timeout = self.exec_timeout if timeout is None else timeout
         try:
             chan_in, chan_out, chan_err = self.client.exec_command(command, timeout=timeout)
             if stdin is not None:
@@ -170,11 +199,15 @@ def probe_command(pid: int) -> str:
 
 
 class SshLauncher:
-    def __init__(self, spec: ClusterSpec, state_dir: Path, connect_timeout: float | None = None):
-        """``connect_timeout`` caps the spec's, e.g. for a quick ``th status``."""
+    def __init__(self, spec: ClusterSpec, state_dir: Path, connect_timeout: float | None = None,
+                 exec_timeout: float = EXEC_TIMEOUT_S, check_timeout: float = CHECK_TIMEOUT_S):
+        """``connect_timeout`` caps the spec's, e.g. for a quick ``th status``;
+        ``exec_timeout`` limits each remote command; ``check_timeout`` the preflight."""
         self.spec = spec
         self.state_dir = state_dir
         self.connect_timeout = connect_timeout
+        self.exec_timeout = exec_timeout
+        self.check_timeout = check_timeout
         self.parallel = 16  # bounded: many nodes must not open hundreds of connections at once
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -182,7 +215,8 @@ class SshLauncher:
     def session(self, node_name: str) -> Session:
         with self._lock:
             if node_name not in self._sessions:
-                self._sessions[node_name] = Session(self.spec.node(node_name), self.spec, self.connect_timeout)
+                self._sessions[node_name] = Session(self.spec.node(node_name), self.spec, self.connect_timeout,
+                                                    self.exec_timeout)
             return self._sessions[node_name]
 
     def node_dir(self, node_name: str) -> str:
@@ -197,7 +231,7 @@ class SshLauncher:
         try:
             python, prefix = self._python(node)
             line = f"{prefix + ' ' if prefix else ''}{shlex.quote(python)} -c 'import tensorhub_cli'"
-            rc, out, err = self.session(node.name).run(line, timeout=60)
+            rc, out, err = self.session(node.name).run(line, timeout=self.check_timeout)
         except SshError as exc:
             return str(exc)
         if rc != 0:
@@ -234,13 +268,14 @@ class SshLauncher:
         return ProcRecord(role=role, node=node.name, pid=pid, starttime=int(stat_fields(stat)[19]), marker=module,
                           log=f"{d}/{role}.log")
 
-    def _kill_unrecorded(self, node_name: str, pid_file: str, marker: str) -> None:
+    def _kill_unrecorded(self, node_name: str, pid_file: str, marker: str,
+                         timeout: float = UNRECORDED_KILL_TIMEOUT_S) -> None:
         """A start that timed out may still have started the process: stop it by the
         pid file it wrote, if that PID runs our module, so a rollback leaves nothing."""
         script = (f"pid=$(cat {shlex.quote(pid_file)} 2>/dev/null) && tr '\\0' ' ' < /proc/$pid/cmdline | "
                   f"grep -qF -- {shlex.quote(marker)} && kill -KILL $pid")
         try:
-            self.session(node_name).run(script, timeout=10)
+            self.session(node_name).run(script, timeout=timeout)
         except SshError:
             pass
 
@@ -249,7 +284,9 @@ class SshLauncher:
         stat, _, cmdline = out.partition("\n")
         return rc == 0 and bool(stat) and matches(rec, stat, cmdline)
 
-    def stop(self, rec: ProcRecord, timeout: float = 5.0, sig: str = "TERM") -> str:
+    def stop(self, rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM") -> str:
+        """SIG``sig``, then SIGKILL after ``timeout`` seconds; each remote command is
+        limited by ``exec_timeout``."""
         if sig not in ("TERM", "USR1"):
             raise ValueError(f"signal {sig!r}: only TERM or USR1")
         try:
@@ -275,7 +312,7 @@ class SshLauncher:
 
     def logs(self, rec: ProcRecord, lines: int, follow: bool, write) -> None:
         cmd = f"tail -n {lines} {'-F ' if follow else ''}{shlex.quote(rec.log)}"
-        self.session(rec.node).stream(cmd, write, forever=follow)
+        self.session(rec.node).stream(cmd, write, idle_timeout=self.exec_timeout, forever=follow)
 
     def close(self) -> None:
         for s in self._sessions.values():

@@ -134,6 +134,29 @@ class ModelSpec(Strict):
     retain: RetainSpec = Field(default_factory=RetainSpec)
 
 
+class EndpointsSpec(Strict):
+    """How long endpoints wait on the network and on each other before giving up."""
+
+    read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="one chunk read; past it the read is reported failed and re-planned from another source",
+    )
+    plan_timeout_s: float = Field(
+        default=5.0, gt=0, le=600, description="one plan round trip to the hub"
+    )
+    drain_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86400,
+        description=(
+            "per replica: how long an endpoint that leaves (scale-down, failover) waits for its "
+            "unpublish drain and retention copy before it is stopped anyway"
+        ),
+    )
+
+
 class ClusterSpec(Strict):
     name: Name
     hub: HubSpec
@@ -144,6 +167,7 @@ class ClusterSpec(Strict):
     topology: TopologySpec
     roles: dict[str, RoleSpec] = Field(default_factory=dict)
     models: list[ModelSpec] = Field(default_factory=list)
+    endpoints: EndpointsSpec = Field(default_factory=EndpointsSpec)
 
     # --- derived views (pure) -------------------------------------------------------
 

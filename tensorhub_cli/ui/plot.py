@@ -16,7 +16,7 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'tensorhub[plot]'") from None
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'tensorhub-ros[plot]'") from None
     return plt
 
 

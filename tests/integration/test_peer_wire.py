@@ -10,7 +10,8 @@ import torch
 
 from tensorhub_cli.engines import wire
 from tensorhub_cli.engines.base import Pair, Region
-from tensorhub_cli.engines.tcp import Regions, TcpEngine
+from tensorhub_cli.engines.serve import Regions
+from tensorhub_cli.engines.tcp import TcpEngine
 from tensorhub_cli.endpoint.peer import PeerServer
 
 pytestmark = pytest.mark.integration

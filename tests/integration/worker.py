@@ -111,7 +111,7 @@ def handle(ep, tensors: dict, op: str, c: dict) -> dict:
 
 
 def _alloc(shards):
-    from tensorhub_cli.endpoint.layout import allocate
+    from tensorhub_cli.layout import allocate
 
     return allocate(shards)
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tensorhub_cli.bench.testbed import testbed, unavailable
@@ -47,14 +48,11 @@ def leftovers() -> list[str]:
     """Anything of ours still alive: testbed namespaces, sshd or tensorhub processes."""
     found = [f"netns {line.split()[0]}" for line in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines() if line.startswith("thtb-")]
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or ())  # None where it cannot be read
         if "th-testbed" in cmd or "tensorhub_cli.agent" in cmd or "tensorhub_cli.hub" in cmd \
                 or "tests.integration.worker" in cmd:
-            found.append(f"pid {pid}: {cmd[:120]}")
+            found.append(f"pid {proc.info['pid']}: {cmd[:120]}")
     return found
 
 

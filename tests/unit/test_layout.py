@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorhub_cli.endpoint.layout import LayoutError, lay_out, place
+from tensorhub_cli.layout import LayoutError, lay_out, place
 
 
 def state_dict():
@@ -89,7 +89,7 @@ def test_shards_map_to_global_chunks_rank_zero_first():
 def test_verify_re_hashes_the_destination_and_names_the_chunk_that_changed():
     import torch
 
-    from tensorhub_cli.endpoint.layout import lay_out, verify
+    from tensorhub_cli.layout import lay_out, verify
 
     src = {"big": torch.arange(300_000, dtype=torch.float32), "small": torch.ones(10), "bias": torch.zeros(3)}
     manifest, _ = lay_out(src, chunk_bytes=1 << 18, small_bytes=1 << 10)
@@ -102,3 +102,13 @@ def test_verify_re_hashes_the_destination_and_names_the_chunk_that_changed():
     assert any("chunk 0 (small, bias)" in msg for msg in problems)
     assert any("(big)" in msg for msg in problems)
     assert verify([manifest], {"big": copy["big"]})[0].startswith("bias: missing")
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 17, 240, 241, 1024, (1 << 20) + 3])
+def test_checksum_is_the_manifest_digest_xxh3_64_of_the_bytes(nbytes):
+    import xxhash
+
+    from tensorhub_cli.layout import checksum
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    assert checksum(data) == xxhash.xxh3_64_intdigest(data.numpy().tobytes())

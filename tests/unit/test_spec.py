@@ -87,6 +87,11 @@ BAD = [
     ("ssh-port", lambda d: set_in(d, ("ssh",), {"port": 123456}), "ssh.port", "65535"),
     ("node-ssh-override-key", lambda d: set_in(d, N0 + ("ssh",), {"usr": "root"}), "topology.datacenters[0].racks[0].nodes[0].ssh.usr", "unknown key"),
     ("bootstrap-key", lambda d: set_in(d, N0 + ("bootstrap",), {"venv": "/x"}), "topology.datacenters[0].racks[0].nodes[0].bootstrap.venv", "unknown key"),
+    ("read-timeout-zero", lambda d: set_in(d, ("endpoints",), {"read_timeout_s": 0}), "endpoints.read_timeout_s", "greater than 0"),
+    ("plan-timeout-high", lambda d: set_in(d, ("endpoints",), {"plan_timeout_s": 10**6}), "endpoints.plan_timeout_s", "less than or equal to"),
+    ("drain-timeout-negative", lambda d: set_in(d, ("endpoints",), {"drain_timeout_s": -1}), "endpoints.drain_timeout_s", "greater than 0"),
+    ("drain-timeout-text", lambda d: set_in(d, ("endpoints",), {"drain_timeout_s": "long"}), "endpoints.drain_timeout_s", "number"),
+    ("endpoints-unknown-key", lambda d: set_in(d, ("endpoints",), {"read_timeout": 5}), "endpoints.read_timeout", "unknown key"),
 ]
 
 
@@ -176,3 +181,19 @@ def test_schema_is_json_and_forbids_extras():
     schema = json.loads(result.output)
     assert schema["additionalProperties"] is False
     assert {"hub", "topology"} <= set(schema["required"])
+    endpoints = schema["$defs"]["EndpointsSpec"]["properties"]
+    assert {"read_timeout_s", "plan_timeout_s", "drain_timeout_s"} <= set(endpoints)
+    assert all(f.get("description") for f in endpoints.values())
+
+
+def test_endpoints_defaults_and_override(tmp_path):
+    assert load(REPO / "specs" / "local.yaml").endpoints.model_dump() == {
+        "read_timeout_s": 30.0,
+        "plan_timeout_s": 5.0,
+        "drain_timeout_s": 120.0,
+    }
+    doc = copy.deepcopy(BASE)
+    doc["endpoints"] = {"drain_timeout_s": 7.5}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    s = load(tmp_path / "s.yaml")
+    assert (s.endpoints.drain_timeout_s, s.endpoints.read_timeout_s) == (7.5, 30.0)

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import time
 
-from tensorhub_cli.launch.procs import ProcRecord, matches, stat_fields
-from tensorhub_cli.launch.ssh import probe_command, start_command
+from tensorhub_cli.launch.procs import ProcRecord, start_ticks
+from tensorhub_cli.launch.ssh import matches, probe_command, start_command, stat_fields
 
 
 def test_start_detaches_returns_at_once_and_names_the_process(tmp_path):
@@ -31,5 +31,6 @@ def test_start_detaches_returns_at_once_and_names_the_process(tmp_path):
         assert os.getsid(pid) == pid  # its own session: it outlives the SSH session
         other = ProcRecord(role="agent", node="n", pid=pid, starttime=rec.starttime + 1, marker="37.5", log="")
         assert not matches(other, stat, cmdline)  # a reused PID is not ours
+        assert start_ticks(pid) == rec.starttime  # a node's shell and psutil give the same number
     finally:
         os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,79 @@
+"""Hub commands on an endpoint: the hook, and the handler an endpoint has by default.
+
+Protocol. The hub pushes ``Command``s: ``fetch`` (``th sync``) to any endpoint;
+``retain``, ``load`` and ``release`` to agents only. The endpoint's service thread
+queues them, and one worker thread calls the endpoint's handler,
+``handler(ep, cmd)``, with each in turn (``Endpoint(..., on_command=handler)``; given
+at construction because the hub may push a command the moment we register). In it
+the handler may:
+
+- call any of ``ep``'s methods but ``close`` (``fetch``, ``publish``, ``unpublish``,
+  ``release``, ``report``): it is one more thread using the endpoint, beside the
+  caller's own;
+- take as long as it needs: heartbeats go on on the service thread, but the next
+  command waits for this one;
+- report the outcome with ``ep.report`` (``carry_out`` does it): the hub's event log
+  is how ``th sync`` learns it. An exception it raises is logged and dropped.
+
+``SyncCommands`` is the default handler: ``fetch`` into what ``ep.accept_sync`` named
+for the model (so a trainer or rollout can take part in ``th sync``), ``release``
+drops the replica without a drain; the agents' commands are reported failed. The
+agent installs its own handler (``agent.commands``) on top of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from ..hub import protocol as p
+from .errors import EndpointError
+
+log = logging.getLogger("tensorhub.endpoint")
+OUTCOMES = {"retain": "retained", "fetch": "fetched", "load": "loaded"}
+# (ep, cmd): ep is the ``Endpoint``, untyped here because the endpoint imports this module
+CommandHandler = Callable[[Any, p.Command], None]
+
+
+def carry_out(ep, cmd: p.Command, act: Callable[[], str], *, timeout: Optional[float] = None) -> None:
+    """Run ``act`` (it returns the message of its success) and report the outcome:
+    ``retained``/``fetched``/``loaded``, or ``<action>_failed`` with the error.
+    ``timeout``: for the report (None: the endpoint's ``call_timeout_s``)."""
+    kind = OUTCOMES[cmd.action]
+    try:
+        message = act()
+    except Exception as exc:
+        kind, message = f"{cmd.action}_failed", f"{type(exc).__name__}: {exc}"
+        log.warning("%s: %s of %s@%s failed: %s", ep.name, cmd.action, cmd.model, cmd.version, message)
+    ep.report(cmd, kind, message, timeout=timeout)
+
+
+class SyncCommands:
+    """``fetch`` into accepted memory (else into ``fallback(shards)`` if given), within
+    ``fetch_timeout`` seconds (default 600: a whole model over a slow link);
+    ``release`` drops the replica; anything else is reported failed."""
+
+    def __init__(self, *, fallback: Optional[Callable] = None, fetch_timeout: float = 600.0,
+                 report_timeout: Optional[float] = None):
+        self.fallback = fallback
+        self.fetch_timeout = fetch_timeout
+        self.report_timeout = report_timeout
+
+    def __call__(self, ep, cmd: p.Command) -> None:
+        if cmd.action == "release":  # the hub forgot it: no drain to wait for, no report
+            ep.release(cmd.model, cmd.version)
+        elif cmd.action == "fetch":
+            carry_out(ep, cmd, lambda: self.fetch_into(ep, cmd), timeout=self.report_timeout)
+        else:
+            carry_out(ep, cmd, lambda: self.refuse(ep, cmd), timeout=self.report_timeout)
+
+    def fetch_into(self, ep, cmd: p.Command) -> str:
+        into = ep.sync_into.get(cmd.model, self.fallback)
+        if into is None:
+            raise EndpointError(f"{ep.name} accepts no sync of {cmd.model!r} (no accept_sync)")
+        ep.fetch(cmd.model, cmd.version, into=into, timeout=self.fetch_timeout)
+        return f"{ep.last_fetch['bytes']} bytes"
+
+    @staticmethod
+    def refuse(ep, cmd: p.Command) -> str:
+        raise EndpointError(f"{ep.name} handles no {cmd.action!r} command (an agent's)")

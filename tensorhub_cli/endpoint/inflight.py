@@ -1,0 +1,58 @@
+"""What a fetch has in flight, as typed records (the fetch loop's and the endpoint's).
+
+A record is owned by the thread that made it (the fetch loop, on the caller's
+thread); the endpoint reads ``Zombie``s only between fetches, on that same thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..engines import wire
+from ..engines.base import Engine
+from ..hub import protocol as p
+
+
+@dataclass(slots=True)
+class Reading:
+    """A chunk read in flight."""
+
+    source: str
+    engine: Engine
+    xfer: object  # the engine's transfer
+    started: float  # monotonic
+
+
+@dataclass(slots=True)
+class Verifying:
+    """A chunk that arrived, its checksum being computed on a verifier thread."""
+
+    source: str
+    digest: Future
+
+
+@dataclass(slots=True)
+class Holder:
+    """A holder we read from: the engine that reads it and what it told us."""
+
+    engine: Engine
+    peer: object  # the engine's peer key
+    described: wire.Described
+
+
+@dataclass(slots=True)
+class Asked:
+    """The plan request awaiting its reply."""
+
+    rid: int
+    sent: float  # monotonic
+    op: p.Plan
+
+
+@dataclass(slots=True)
+class Zombie:
+    """A transfer that could not be released yet; the endpoint retries later."""
+
+    engine: Engine
+    xfer: object

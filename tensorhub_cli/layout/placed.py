@@ -1,0 +1,45 @@
+"""Where a layout's chunks lie in our memory: the record ``lay_out`` and ``place`` return.
+
+Protocol. ``Placed.views[c]`` is chunk ``c``'s bytes in our memory (a flat uint8
+tensor); ``regions`` is what an engine must register to serve or receive them. A chunk
+that spans tensors of a reader's destination lands in a staging buffer: once it is
+verified, ``finish(c)`` copies it into those tensors (before that they are untouched).
+The memory stays valid while the ``Placed`` (which keeps every tensor alive) does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engines.base import Region
+from .checksum import checksum
+
+
+@dataclass(slots=True)
+class Piece:
+    """One destination tensor's share of a staged chunk."""
+
+    dst: object  # the destination tensor's flat bytes
+    offset: int  # where the piece starts in ``dst``
+    src: object  # the staged chunk's bytes, from the piece's start
+    nbytes: int
+
+
+@dataclass
+class Placed:
+    views: list  # per chunk of this layout: a flat uint8 tensor over its bytes in our memory
+    regions: list[Region]
+    device: int = -1
+    scatter: dict[int, list[Piece]] = field(default_factory=dict)
+    keep: list = field(default_factory=list)  # tensors the regions point into
+
+    def addr(self, chunk: int) -> int:
+        return self.views[chunk].data_ptr()
+
+    def checksum(self, chunk: int) -> int:
+        return checksum(self.views[chunk])
+
+    def finish(self, chunk: int) -> None:
+        """A verified staged chunk: copy its bytes into the destination tensors."""
+        for piece in self.scatter.get(chunk, ()):
+            piece.dst[piece.offset:piece.offset + piece.nbytes].copy_(piece.src[:piece.nbytes])

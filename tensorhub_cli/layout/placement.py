@@ -1,0 +1,152 @@
+"""Reader side: map a manifest onto a destination state_dict, and check one against it.
+
+Protocol.
+
+- ``check_destination(shards, into)`` → every way ``into`` differs from the manifest
+  (names, dtypes, shapes, contiguity, one device); empty: it fits. Reads nothing.
+- ``place(shards, into)`` → a ``Placed`` over the global chunks of ``shards`` (rank
+  0's first). A chunk inside one tensor is read straight into it; a chunk that spans
+  tensors lands in a staging buffer and reaches them by ``Placed.finish``. Raises
+  ``LayoutError`` with ``into`` untouched when it does not fit.
+- ``verify(shards, into)`` → problems, re-hashing ``into`` itself chunk by chunk
+  (empty: byte for byte the version). Reads only.
+- ``allocate(shards, device)`` → fresh tensors matching the manifest.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ..engines.base import Region
+from ..hub import protocol as p
+from .checksum import checksum
+from .placed import Piece, Placed
+from .tensors import LayoutError, check_tensors, device_of, dtype_name, flat_bytes
+
+
+@dataclass(slots=True)
+class _Staged:
+    chunk: int  # global chunk id
+    start: int  # the chunk's bytes [start, end) in its shard's flat layout
+    end: int
+    shard: p.Manifest
+
+
+def check_destination(shards: list[p.Manifest], into: dict) -> list[str]:
+    """Every way ``into`` differs from the manifest (empty: it fits)."""
+    import torch
+
+    want: dict[str, p.TensorMeta] = {}
+    problems = []
+    for rank, m in enumerate(shards):
+        for t in m.tensors:
+            if t.name in want:
+                problems.append(f"{t.name}: appears in two shards (rank {rank} and an earlier one)")
+            want[t.name] = t
+    for name in sorted(want.keys() - into.keys()):
+        problems.append(f"{name}: missing from the destination")
+    for name in sorted(into.keys() - want.keys()):
+        problems.append(f"{name}: not in the manifest")
+    for name in sorted(want.keys() & into.keys()):
+        meta, t = want[name], into[name]
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{name}: not a tensor ({type(t).__name__})")
+            continue
+        if dtype_name(t) != meta.dtype:
+            problems.append(f"{name}: dtype {dtype_name(t)}, manifest has {meta.dtype}")
+        if list(t.shape) != meta.shape:
+            problems.append(f"{name}: shape {list(t.shape)}, manifest has {meta.shape}")
+        if not t.is_contiguous():
+            problems.append(f"{name}: not contiguous")
+    if not problems:
+        problems += check_tensors(into)[0]
+    return problems
+
+
+def place(shards: list[p.Manifest], into: dict) -> Placed:
+    """Map the global chunks of ``shards`` (rank 0's first) onto ``into``'s memory."""
+    import torch
+
+    problems = check_destination(shards, into)
+    if problems:
+        raise LayoutError("the destination does not match the manifest; nothing was written", problems)
+    first = next(iter(into.values()), None)
+    device = device_of(first) if first is not None else -1  # checked above: one device for all
+    placed = Placed(views=[], regions=[], device=device)
+    staged: list[_Staged] = []
+    for m in shards:
+        tensors = sorted((t for t in m.tensors if t.nbytes), key=lambda t: t.offset)
+        starts = [t.offset for t in tensors]
+        start = 0
+        for c in m.chunks:
+            end = start + c.nbytes
+            i = bisect.bisect_right(starts, start) - 1
+            t = tensors[i] if i >= 0 else None
+            if t is not None and t.offset <= start and end <= t.offset + t.nbytes:
+                placed.views.append(flat_bytes(into[t.name])[start - t.offset:end - t.offset])
+            else:
+                placed.views.append(None)  # filled below, once the staging buffer exists
+                staged.append(_Staged(len(placed.views) - 1, start, end, m))
+            start = end
+    used = {name for name, t in into.items() if t.nbytes}
+    for name in used:
+        placed.regions.append(Region(into[name].data_ptr(), into[name].nbytes, device))
+        placed.keep.append(into[name])
+    if staged:
+        dev = "cpu" if device < 0 else f"cuda:{device}"
+        staging = torch.empty(sum(s.end - s.start for s in staged), dtype=torch.uint8, device=dev)
+        placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
+        placed.keep.append(staging)
+        at = 0
+        for s in staged:
+            placed.views[s.chunk] = staging[at:at + s.end - s.start]
+            placed.scatter[s.chunk] = _pieces(s.shard, s.start, s.end, placed.views[s.chunk], into)
+            at += s.end - s.start
+    return placed
+
+
+def _spans(m: p.Manifest, start: int, end: int):
+    """(tensor, lo, hi): the bytes [lo, hi) of the flat layout that each tensor has
+    inside the chunk [start, end), in layout order."""
+    for t in m.tensors:
+        lo, hi = max(start, t.offset), min(end, t.offset + t.nbytes)
+        if lo < hi:
+            yield t, lo, hi
+
+
+def _pieces(m: p.Manifest, start: int, end: int, src, into: dict) -> list[Piece]:
+    return [Piece(flat_bytes(into[t.name]), lo - t.offset, src[lo - start:], hi - lo)
+            for t, lo, hi in _spans(m, start, end)]
+
+
+def verify(shards: list[p.Manifest], into: dict) -> list[str]:
+    """Re-hash ``into``'s tensors chunk by chunk against the manifest (empty: every
+    byte is the version's). Reads the destination itself, not the staging copies a
+    fetch verified, so it also catches bytes changed after the fetch."""
+    import torch
+
+    problems = check_destination(shards, into)
+    if problems:
+        return problems
+    for rank, m in enumerate(shards):
+        start = 0
+        for i, c in enumerate(m.chunks):
+            end = start + c.nbytes
+            pieces = [(t.name, flat_bytes(into[t.name])[lo - t.offset:hi - t.offset])
+                      for t, lo, hi in _spans(m, start, end)]
+            flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b.cpu() for _, b in pieces])
+            if checksum(flat) != c.checksum:
+                names = ", ".join(n for n, _ in pieces[:3]) + (" …" if len(pieces) > 3 else "")
+                problems.append(f"shard {rank} chunk {i} ({names}): checksum differs from the manifest")
+            start = end
+    return problems
+
+
+def allocate(shards: list[p.Manifest], device: str = "cpu") -> dict:
+    """Fresh tensors matching the manifest: a destination for a copy nobody supplied
+    (the agent's host-tier retention copies, ``th sync`` into an agent)."""
+    import torch
+
+    return {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=device)
+            for m in shards for t in m.tensors}

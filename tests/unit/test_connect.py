@@ -1,0 +1,67 @@
+"""``connect(cluster=...)``: the cluster lookup (launch.lookup) feeds the endpoint's
+explicit-address connect; what the caller passes wins where it may."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+
+import tensorhub_cli
+from tensorhub_cli.endpoint import EndpointError
+from tensorhub_cli.launch.lookup import ClusterLookupError, endpoint_options
+from tensorhub_cli.launch.state import ClusterState, cluster_dir, write_state, write_token
+
+
+@pytest.fixture
+def running(th_home, local_spec):
+    """The on-disk state ``th up`` leaves, without any process."""
+    doc = yaml.safe_load(local_spec.read_text())
+    doc["endpoints"] = {"read_timeout_s": 12.0, "plan_timeout_s": 2.5, "drain_timeout_s": 40.0}
+    local_spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    name = doc["name"]
+    cluster_dir(name).mkdir(parents=True)
+    shutil.copyfile(local_spec, cluster_dir(name) / "spec.yaml")
+    write_token(name, "tok" * 11)
+    write_state(ClusterState(cluster=name, launcher="local", hub_address="tcp://127.0.0.1:7", hub_node_address="",
+                             metrics_port=None, heartbeat_s=0.2, expiry_s=1.0))
+    return name, doc
+
+
+def test_lookup_places_the_endpoint_and_passes_the_spec_timeouts(running):
+    name, doc = running
+    node2 = doc["topology"]["datacenters"][0]["racks"][0]["nodes"][1]
+    assert endpoint_options(name, "node2") == dict(
+        hub="tcp://127.0.0.1:7", token="tok" * 11, host=node2["address"], dc="dc1", rack="rack1", engine="nixl",
+        heartbeat_s=0.2, read_timeout_s=12.0, plan_timeout_s=2.5, drain_timeout_s=40.0)
+
+
+def test_lookup_says_what_is_missing(th_home, running):
+    name, _ = running
+    with pytest.raises(ClusterLookupError, match="is not running"):
+        endpoint_options("nope", "node1")
+    with pytest.raises(ClusterLookupError, match="needs node="):
+        endpoint_options(name, None)
+    with pytest.raises(ClusterLookupError, match="'node9' is not in cluster"):
+        endpoint_options(name, "node9")
+
+
+def test_connect_by_cluster_lets_the_caller_choose_timeouts_but_not_the_place(running, monkeypatch):
+    name, _ = running
+    got = {}
+    monkeypatch.setattr("tensorhub_cli.endpoint.connect", lambda *a, **kw: got.update(args=a, **kw) or "ep")
+    assert tensorhub_cli.connect(cluster=name, name="r", node="node2", host="10.9.9.9", engine="tcp",
+                                 read_timeout_s=3.0, role="rollout") == "ep"
+    assert got["args"] == () and got["hub"] == "tcp://127.0.0.1:7" and got["host"].startswith("127.0.")
+    assert (got["engine"], got["read_timeout_s"], got["plan_timeout_s"], got["heartbeat_s"]) == ("tcp", 3.0, 2.5, 0.2)
+    assert (got["name"], got["node"], got["role"]) == ("r", "node2", "rollout")
+
+
+def test_connect_needs_exactly_one_way_to_the_hub_and_names_a_lookup_failure(th_home):
+    with pytest.raises(EndpointError, match="exactly one of hub"):
+        tensorhub_cli.connect(name="x")
+    with pytest.raises(EndpointError, match="is not running"):
+        tensorhub_cli.connect(cluster="nope", name="x", node="node1")
+    with pytest.raises(EndpointError, match="needs token"):
+        tensorhub_cli.connect(hub="tcp://127.0.0.1:1", name="x")
