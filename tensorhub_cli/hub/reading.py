@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 
-from ..planner import LEVELS, Limits, Reader, Sources, Walk, choose, may_cross
+from ..planner import LEVELS, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
 from .draining import drop_old, settle
 from .faults import HubFault
@@ -53,16 +53,20 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         mine[source] = mine.get(source, 0) + 1
     window = max(1, min(op.window, hub.config.max_window))
     needed = v.full & ~rep.held & ~assigned
-    crossing = _may_cross(v, reader)
-    walk = Walk(
-        Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls),
-        Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
-                v.serving, v.spread),
-        Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
-        hub.asking,
-    )
-    result = choose(needed=needed, start=zlib.crc32(op.name.encode()) % v.nchunks, limit=window - len(reads),
-                    levels=walk.levels(crossing), may_cross=crossing, deferred=walk.deferred)
+    limit = window - len(reads)
+    crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
+    if limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)
+        walk = Walk(
+            Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls),
+            Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
+                    v.serving, v.spread),
+            Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
+            hub.asking,
+        )
+        result = choose(needed=needed, start=zlib.crc32(op.name.encode()) % v.nchunks, limit=limit,
+                        levels=walk.levels(crossing), may_cross=crossing, deferred=walk.deferred)
+    else:
+        result = PlanResult()
     _account(hub, now, v, reader, result.assigned)
     if result.crossed:
         v.seeds[reader.place.dc] = op.name

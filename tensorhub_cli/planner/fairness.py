@@ -3,7 +3,8 @@
 A reader reports finished reads in the same message that asks for new ones, so the
 reader whose read just finished is always first in line for the slot it freed. If
 only reads in flight counted, one early reader would keep every slot of a source
-while the others idle (docs/design.md, "Measurements behind the defaults"). So a plan notes, per source, the readers it gave reads of that source or turned
+while the others idle (docs/design.md, "Measurements behind the defaults"). So a
+plan notes, per source, the readers it gave reads of that source or turned
 away from it; a reader noted within ``window_s`` that still fetches competes for
 that source, and each competitor may hold ``cap // competitors`` of its reads (at
 least one).
