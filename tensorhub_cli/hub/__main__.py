@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         from .metrics import serve_metrics
 
-        serve_metrics(hub, time.monotonic, args.metrics_addr, args.metrics_port)
+        serve_metrics(service.status, args.metrics_addr, args.metrics_port)
     logging.info("hub for cluster %s listening on %s", args.cluster, args.bind)
 
     async def run() -> None:

@@ -46,6 +46,13 @@ def load_checkpoint(hub: HubState, now: float, op: p.Load) -> p.Ok:
     return p.Ok()
 
 
+def events_since(hub: HubState, now: float, op: p.Events) -> p.EventsReply:
+    """Events after ``op.since``; ``first_seq`` says whether the bound dropped some."""
+    kept = hub.events
+    first = kept[0].seq if kept else 0
+    return p.EventsReply(events=[e for e in kept if e.seq > op.since], first_seq=first)
+
+
 def note(hub: HubState, now: float, op: p.Note) -> p.Ok:
     hub.event(now, op.kind[:40], op.endpoint[:200], message=op.message[:500])
     return p.Ok()

@@ -22,7 +22,7 @@ from .state import HubState
 def unpublish(hub: HubState, now: float, op: p.Unpublish) -> None:
     """Deferred: an ``Acked`` is queued once the replica's pins reach zero (and any
     retention copy it called for is complete)."""
-    hub.endpoint(op.name)
+    hub.endpoint(op.name, op.incarnation)
     v = hub.version(op.model, op.version)
     rep = v.replicas.get(op.name)
     if rep is None:

@@ -83,6 +83,9 @@ class Hub(HubState):
     def load_checkpoint(self, now: float, op: p.Load) -> p.Ok:
         return commands.load_checkpoint(self, now, op)
 
+    def events_since(self, now: float, op: p.Events) -> p.EventsReply:
+        return commands.events_since(self, now, op)
+
     def note(self, now: float, op: p.Note) -> p.Ok:
         return commands.note(self, now, op)
 

@@ -3,6 +3,8 @@
 - ``register``: an endpoint joins, or re-joins after a hub restart carrying its
   holdings (replicas, reads in flight), from which the registry is rebuilt. A second
   live process under a name is refused; a restarted one (new pid) replaces the old.
+  The same incarnation registering again (its heartbeat reply was slow, so it was
+  unsure the hub still knew it) keeps everything: pins, reads, a pending unpublish.
 - ``heartbeat``: keeps it alive; ``expire(now)`` drops every endpoint silent for longer
   than ``expiry_s``.
 - ``drop_endpoint``: a gone endpoint loses every reference, pin and read it had; a
@@ -21,6 +23,10 @@ from .state import Endpoint, HubState
 
 def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
     old = hub.endpoints.get(op.info.name)
+    if old is not None and op.info.incarnation and old.info.incarnation == op.info.incarnation:
+        old.last_seen = now  # contract 3: a slow beat never releases a pin early
+        hub.count("registrations.kept")
+        return p.Ok()
     if old is not None and old.info.pid != op.info.pid and hub.alive(now, old.name):
         # Two live processes under one name would corrupt every reference it owns.
         raise HubFault("conflict", f"endpoint name {op.info.name!r} is held by a live endpoint (pid {old.info.pid})")
@@ -42,7 +48,7 @@ def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
 
 
 def heartbeat(hub: HubState, now: float, op: p.Heartbeat) -> p.Ok:
-    hub.endpoint(op.name).last_seen = now
+    hub.endpoint(op.name, op.incarnation).last_seen = now
     return p.Ok()
 
 

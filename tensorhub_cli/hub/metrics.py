@@ -2,23 +2,26 @@
 
 Why a collector and not Counter objects: the hub already keeps its counters (they go
 out in ``th status --json`` too); reading them at scrape time keeps one source of truth.
+Scrapes run on the HTTP server's thread, so they read through ``status``, a snapshot
+taken under the service's lock, never the hub's tables while the loop changes them.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .machine import Hub
+from . import protocol as p
 
 
 class HubCollector:
-    def __init__(self, hub: Hub, clock):
-        self.hub = hub
-        self.clock = clock
+    def __init__(self, status: Callable[[], p.StatusReply]):
+        self.status = status
 
     def collect(self):
-        status = self.hub.status(self.clock())
+        status = self.status()
         ops = CounterMetricFamily("tensorhub_hub_events", "hub events by kind", labels=["kind"])
         for key, value in sorted(status.counters.items()):
             ops.add_metric([key], value)
@@ -36,7 +39,8 @@ class HubCollector:
         )
 
 
-def serve_metrics(hub: Hub, clock, addr: str, port: int):
+def serve_metrics(status: Callable[[], p.StatusReply], addr: str, port: int):
+    """Serve ``status()`` (thread-safe: ``HubService.status``) as Prometheus metrics."""
     registry = CollectorRegistry()
-    registry.register(HubCollector(hub, clock))
+    registry.register(HubCollector(status))
     return start_http_server(port, addr=addr, registry=registry)

@@ -20,7 +20,9 @@ from typing import Literal, Optional, Union
 import msgspec
 
 PROTOCOL_VERSION = 1
-MAX_FRAME = 8 << 20  # a 10k-tensor manifest is ~1 MiB; anything bigger is a bug or an attack
+# A 10k-tensor manifest is ~1 MiB; a large MoE's (~91k tensors) ~12 MiB, and a reader
+# re-registering after a hub restart sends every shard's. Bigger is a bug or an attack.
+MAX_FRAME = 64 << 20
 
 
 class Msg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -64,6 +66,12 @@ class EndpointInfo(Msg):
     engine: str = "tcp"
     engine_meta: bytes = b""  # what a peer needs to read from us (NIXL agent metadata, host:port)
     pid: int = 0
+    # One endpoint process's life (a random id per ``Endpoint``). Re-registering with
+    # the incarnation the hub knows keeps every pin and pending unpublish (a slow
+    # heartbeat, not a restart); another incarnation replaces the old one, and ops
+    # carrying the old one are refused ``fenced`` (contract 3: a dead reader's reads
+    # can neither be resurrected nor completed). "" (an old client): not checked.
+    incarnation: str = ""
 
 
 class Read(Msg):
@@ -93,6 +101,7 @@ class Register(Msg, tag="register"):
 
 class Heartbeat(Msg, tag="heartbeat"):
     name: str
+    incarnation: str = ""
 
 
 class Deregister(Msg, tag="deregister"):
@@ -106,6 +115,7 @@ class Publish(Msg, tag="publish"):
     manifest: Manifest
     rank: int = 0
     world: int = 1
+    incarnation: str = ""
 
 
 class Resolve(Msg, tag="resolve"):
@@ -125,6 +135,7 @@ class Plan(Msg, tag="plan"):
     window: int = 32
     chunks: list[int] = []
     failed: list[Read] = []
+    incarnation: str = ""
 
 
 class Progress(Msg, tag="progress"):
@@ -133,6 +144,7 @@ class Progress(Msg, tag="progress"):
     version: int
     chunks: list[int]  # verified (checksum matched): the reader now holds them
     failed: list[Read] = []  # reads that failed or arrived corrupt: unpinned, source avoided
+    incarnation: str = ""
 
 
 class Cancel(Msg, tag="cancel"):
@@ -142,12 +154,14 @@ class Cancel(Msg, tag="cancel"):
     name: str
     model: str
     version: int
+    incarnation: str = ""
 
 
 class Unpublish(Msg, tag="unpublish"):
     name: str
     model: str
     version: int
+    incarnation: str = ""
 
 
 class Status(Msg, tag="status"):
@@ -198,8 +212,15 @@ class Note(Msg, tag="note"):
     endpoint: str = ""
 
 
+class Events(Msg, tag="events"):
+    """The hub's events with ``seq`` greater than ``since``, oldest first (of the last
+    ``EVENTS_KEPT``): what a command following its outcomes polls, so none is missed."""
+
+    since: int = 0
+
+
 Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions,
-           Sync, Load, Report, Note]
+           Sync, Load, Report, Note, Events]
 
 
 class Request(Msg):
@@ -324,7 +345,13 @@ class VersionsReply(Msg, tag="versions"):
     versions: list[VersionStatus]
 
 
-Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply]
+class EventsReply(Msg, tag="events"):
+    events: list[Event]
+    # The oldest seq still kept: above ``since + 1``, events were lost to the bound.
+    first_seq: int = 0
+
+
+Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply, EventsReply]
 
 
 class Reply(Msg):

@@ -19,7 +19,7 @@ from .state import HubState
 
 
 def publish(hub: HubState, now: float, op: p.Publish) -> p.Ok:
-    hub.endpoint(op.name)
+    hub.endpoint(op.name, op.incarnation)
     known = hub.models.get(op.model, {}).get(op.version)
     was = known.state if known else None
     v = add_shard(hub, op.name, op.model, op.version, op.rank, op.world, op.manifest)

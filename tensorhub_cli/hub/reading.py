@@ -29,7 +29,7 @@ _FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "byte
 
 
 def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
-    reader = hub.endpoint(op.name)
+    reader = hub.endpoint(op.name, op.incarnation)
     if op.chunks or op.failed:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
                                       failed=op.failed))
@@ -132,7 +132,7 @@ def _source(hub: HubState, name: str) -> p.Source:
 
 
 def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
-    hub.endpoint(op.name)
+    hub.endpoint(op.name, op.incarnation)
     v = hub.version(op.model, op.version)
     if not v.assembled:
         raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
@@ -167,7 +167,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
 
 def cancel(hub: HubState, now: float, op: p.Cancel) -> p.Ok:
     """The reader gave up its reads in flight (a fetch timed out or was aborted)."""
-    hub.endpoint(op.name)
+    hub.endpoint(op.name, op.incarnation)
     v = hub.version(op.model, op.version)
     for chunk in list(v.reads.get(op.name, {})):
         hub.unpin(v, op.name, chunk)

@@ -100,11 +100,16 @@ class HubState:
     def policy(self, model: str) -> Policy:
         return self.config.policies.get(model, self.config.default_policy)
 
-    def endpoint(self, name: str) -> Endpoint:
+    def endpoint(self, name: str, incarnation: str = "") -> Endpoint:
+        """The registered endpoint ``name``; an op that names an ``incarnation`` other
+        than the registered one comes from a replaced process and is ``fenced``."""
         ep = self.endpoints.get(name)
         if ep is None:
             # After a hub restart every endpoint lands here once, and re-registers.
             raise HubFault("unknown_endpoint", f"endpoint {name!r} is not registered")
+        if incarnation and ep.info.incarnation and incarnation != ep.info.incarnation:
+            raise HubFault("fenced", f"endpoint {name!r} was replaced by another process (incarnation "
+                                     f"{ep.info.incarnation[:8]}, not {incarnation[:8]}); this one must stop")
         return ep
 
     def version(self, model: str, number: int) -> Version:

@@ -1,0 +1,122 @@
+"""Contract 3 under faults, on the hub: a slow heartbeat never releases a pin, a
+replaced process is fenced, and an operator can read every event (issue: faults)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.machine import Acked, HubFault
+from tensorhub_cli.hub.service import HubService
+from tensorhub_cli.hub.metrics import HubCollector
+
+from .hubkit import acks, info, manifest, new_hub, reg
+
+
+def publish_and_read(hub):
+    """t publishes 4 chunks; r has a read in flight on t; t unpublishes (pending)."""
+    reg(hub, 0, info("t", pid=10), info("r", node="n2", pid=20))
+    for i in (hub.endpoints["t"].info, hub.endpoints["r"].info):
+        i.incarnation = f"{i.name}-1"
+    hub.publish(0, p.Publish(name="t", model="m", version=1, manifest=manifest(4)))
+    plan = hub.plan(0, p.Plan(name="r", model="m", version=1, window=1))
+    assert len(plan.reads) == 1
+    assert hub.unpublish(0, p.Unpublish(name="t", model="m", version=1)) is None
+    assert acks(hub.take_outbound()) == []
+    return plan.reads[0]
+
+
+def test_same_incarnation_reregistering_keeps_pins_and_pending_unpublish():
+    hub = new_hub()
+    read = publish_and_read(hub)
+    # t's heartbeat reply was slow: it registers again, same process, same incarnation
+    again = info("t", pid=10)
+    again.incarnation = "t-1"
+    hub.register(1.0, p.Register(info=again))
+    assert acks(hub.take_outbound()) == []  # not answered "expired"
+    assert hub.models["m"][1].pins == {"t": 1}
+    hub.progress(1.0, p.Progress(name="r", model="m", version=1, chunks=[read.chunk]))
+    assert acks(hub.take_outbound()) == [Acked(endpoint="t", model="m", version=1, ok=True)]
+    assert hub.counters["registrations.kept"] == 1
+
+
+def test_a_replaced_process_is_fenced_and_cannot_complete_its_old_reads():
+    hub = new_hub()
+    read = publish_and_read(hub)
+    # r dies; a new process takes the name once the old one expired
+    hub.heartbeat(4.0, p.Heartbeat(name="t"))
+    assert hub.expire(7.0) == ["r"]
+    new_r = info("r", node="n2", pid=21)
+    new_r.incarnation = "r-2"
+    hub.register(7.0, p.Register(info=new_r))
+    before = msgspec.msgpack.encode(hub.versions(7.0, p.Versions()))
+    for op in (p.Progress(name="r", model="m", version=1, chunks=[read.chunk], incarnation="r-1"),
+               p.Plan(name="r", model="m", version=1, incarnation="r-1"),
+               p.Cancel(name="r", model="m", version=1, incarnation="r-1")):
+        with pytest.raises(HubFault) as exc:
+            getattr(hub, type(op).__name__.lower())(7.0, op)
+        assert exc.value.code == "fenced"
+    with pytest.raises(HubFault, match="replaced"):
+        hub.heartbeat(7.0, p.Heartbeat(name="r", incarnation="r-1"))
+    assert msgspec.msgpack.encode(hub.versions(7.0, p.Versions())) == before
+    hub.heartbeat(7.0, p.Heartbeat(name="r", incarnation="r-2"))  # the new one is fine
+
+
+def test_events_since_a_seq_and_the_bound_is_reported():
+    hub = new_hub()
+    reg(hub, 0, info("a"))
+    for i in range(600):
+        hub.note(float(i), p.Note(kind="scaled", message=str(i)))
+    got = hub.events_since(0, p.Events(since=590))
+    assert [e.message for e in got.events] == [str(i) for i in range(590, 600)]
+    everything = hub.events_since(0, p.Events())
+    assert len(everything.events) == 500 and everything.first_seq == 101  # 100 were dropped
+
+
+def test_metrics_scrapes_while_the_loop_changes_the_hub(tmp_path):
+    """C4: Prometheus' thread read the hub's dicts while ops changed them."""
+    hub = new_hub()
+    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=lambda: 0.0)
+    try:
+        reg(hub, 0, *[info(f"e{i}", node=f"n{i}") for i in range(300)])
+        hub.publish(0, p.Publish(name="e0", model="m", version=1, manifest=manifest(8)))
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def scrape():
+            collector = HubCollector(service.status)
+            while not stop.is_set():
+                try:
+                    list(collector.collect())
+                except BaseException as exc:  # noqa: BLE001 - the failure under test
+                    errors.append(exc)
+                    return
+
+        # Switch threads every microsecond, not every 5 ms, so a scrape is interrupted
+        # mid-iteration as a loaded hub's would be.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        t = threading.Thread(target=scrape)
+        t.start()
+        deadline = time.monotonic() + 3.0
+        n = 0
+        while time.monotonic() < deadline and not errors:
+            name = f"x{n % 200}"
+            # each reader adds a replica to the version and drops it again
+            for op in (p.Register(info=info(name, node=f"m{n}", pid=n)),
+                       p.Plan(name=name, model="m", version=1, window=1), p.Deregister(name=name)):
+                frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=1, op=op))
+                service.handle(b"id", [frame])
+            n += 1
+        stop.set()
+        t.join(timeout=10)
+        sys.setswitchinterval(interval)
+        assert errors == [] and n > 100
+    finally:
+        service._sock.close(0)
+        service._ctx.term()
