@@ -120,3 +120,26 @@ def test_metrics_scrapes_while_the_loop_changes_the_hub(tmp_path):
     finally:
         service._sock.close(0)
         service._ctx.term()
+
+
+def test_a_large_moe_manifest_fits_a_frame():
+    """C11: a reader of a ~91k-tensor model re-registers after a hub restart with every
+    shard's manifest; at an 8 MiB frame limit it never could."""
+    n = 91_000
+    tensors = [p.TensorMeta(name=f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.w", dtype="bfloat16",
+                            shape=[4096, 1024], nbytes=8 << 20, offset=i * (8 << 20)) for i in range(n)]
+    chunks = [p.ChunkMeta(nbytes=16 << 20, checksum=(i * 2654435761) % (1 << 64)) for i in range(n // 2)]
+    m = p.Manifest(tensors=tensors, chunks=chunks, chunk_bytes=16 << 20)
+    holding = p.Holding(model="moe", version=1, world=1, shards=[m], held=list(range(n // 2)))
+    frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=1,
+                               op=p.Register(info=info("r", node="n2"), holdings=[holding])))
+    assert len(frame) > 8 << 20
+    hub = new_hub()
+    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=lambda: 0.0)
+    try:
+        [(_, reply)] = service.handle(b"id", [frame])
+        assert isinstance(p.decode_reply(reply).body, p.Ok)
+        assert "r" in hub.endpoints and hub.models["moe"][1].complete("r")
+    finally:
+        service._sock.close(0)
+        service._ctx.term()

@@ -1,9 +1,16 @@
-"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(h).
+"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(i).
 
 The test keeps its own *truth* — what each simulated process really holds in memory
 and which reads it really has in flight — and checks the hub against it after every
 step, so an invariant is judged by what a real cluster would see, not by the hub's
 own bookkeeping alone.
+
+Transfers may outlive a reader's interest: a reader gives up on a read (a timeout)
+while the engine still writes (a *zombie*); the protocol is that it reports the read
+failed only once the engine confirms the transfer stopped. Invariant (c) counts
+zombies as live transfers: no unpublish is acknowledged while one can still touch
+the source's buffer. A slow heartbeat makes a process register again with the same
+incarnation (nothing may be released); ops from a replaced incarnation are fenced.
 """
 
 from __future__ import annotations
@@ -61,10 +68,22 @@ class Proc:
     shards: dict[tuple[str, int], int] = field(default_factory=dict)
     chunks: dict[tuple[str, int], set[int]] = field(default_factory=dict)
     reading: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+    # reads given up on whose transfer still runs: (model, version) -> {chunk: source}
+    zombies: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+
+    @property
+    def incarnation(self) -> str:
+        return f"{self.name}-{self.pid}"
 
     def info(self) -> p.EndpointInfo:
         node, rack, dc, kind, reliable, group = PROCS[self.name]
-        return info(self.name, node=node, rack=rack, dc=dc, kind=kind, reliable=reliable, group=group, pid=self.pid)
+        i = info(self.name, node=node, rack=rack, dc=dc, kind=kind, reliable=reliable, group=group, pid=self.pid)
+        i.incarnation = self.incarnation
+        return i
+
+    def in_flight(self, key: tuple[str, int]) -> dict[int, str]:
+        """Every transfer into this process's memory for ``key``: reads and zombies."""
+        return {**self.reading.get(key, {}), **self.zombies.get(key, {})}
 
 
 class HubMachine(RuleBasedStateMachine):
@@ -109,6 +128,7 @@ class HubMachine(RuleBasedStateMachine):
         proc.shards.pop(key, None)
         proc.chunks.pop(key, None)
         proc.reading.pop(key, None)
+        proc.zombies.pop(key, None)
 
     def die(self, proc: Proc) -> None:
         """A process the hub dropped loses its memory; reads from it fail."""
@@ -116,9 +136,10 @@ class HubMachine(RuleBasedStateMachine):
         proc.shards.clear()
         proc.chunks.clear()
         proc.reading.clear()
+        proc.zombies.clear()
         self.pending = {(e, v) for e, v in self.pending if e != proc.name}
         for other in self.procs.values():
-            for reads in other.reading.values():
+            for reads in [*other.reading.values(), *other.zombies.values()]:
                 for c in [c for c, s in reads.items() if s == proc.name]:
                     del reads[c]
 
@@ -145,10 +166,11 @@ class HubMachine(RuleBasedStateMachine):
         self.pending.discard(key)
         if not ack.ok:
             return
-        # (c) acknowledged only with zero pins: no live reader still reads from it
+        # (c) acknowledged only with zero pins: no live transfer (a read, or a zombie a
+        # reader gave up on) still touches its buffer
         for proc in self.procs.values():
             if proc.registered:
-                reads = proc.reading.get((MODEL, ack.version), {})
+                reads = proc.in_flight((MODEL, ack.version))
                 assert ack.endpoint not in reads.values(), f"(c) {ack} while {proc.name} reads from it"
         # (f) a retained version keeps its copies while an agent that could copy it lives
         versions = self.hub.models.get(MODEL, {})
@@ -177,6 +199,7 @@ class HubMachine(RuleBasedStateMachine):
         if proc.registered:
             proc.registered = False  # gone before the hub hears of it: its reads end now
             proc.reading.clear()
+            proc.zombies.clear()
             self.call(self.hub.deregister, p.Deregister(name=name))
             self.die(proc)
 
@@ -257,7 +280,13 @@ class HubMachine(RuleBasedStateMachine):
         if not isinstance(got, p.Planned):
             return
         reads = proc.reading.setdefault((MODEL, number), {})
+        zombies = proc.zombies.get((MODEL, number), {})
         for r in got.reads:
+            if r.chunk in zombies:
+                # still pinned on the source the transfer uses: never re-planned elsewhere
+                # while it may write into this chunk's memory
+                assert zombies[r.chunk] == r.source, f"(c) {name}'s live chunk {r.chunk} moved to {r.source}"
+                continue
             src = self.hub.endpoints.get(r.source)
             # (b) no plan names the reader, a draining or expired source, or one lacking the chunk
             assert r.source != name, "(b) planned onto itself"
@@ -330,9 +359,70 @@ class HubMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(READERS))
     def cancel(self, name):
         proc = self.procs[name]
-        for key in [k for k, r in proc.reading.items() if r]:
-            proc.reading[key].clear()  # a reader cancels only reads it has already stopped
-            self.call(self.hub.cancel, p.Cancel(name=name, model=key[0], version=key[1]))
+        for key in [k for k, r in proc.reading.items() if r and not proc.zombies.get(k)]:
+            # a reader cancels only once every transfer of that version has stopped
+            proc.reading[key].clear()
+            self.call(self.hub.cancel, p.Cancel(name=name, model=key[0], version=key[1],
+                                                incarnation=proc.incarnation))
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def give_up(self, name, data):
+        """A read times out on the reader's side; its transfer goes on (a zombie), and
+        the hub hears nothing until the engine confirms it stopped."""
+        proc = self.procs[name]
+        busy = [k for k, reads in proc.reading.items() if reads]
+        if not proc.registered or not busy:
+            return
+        key = data.draw(st.sampled_from(sorted(busy)))
+        for c in data.draw(st.lists(st.sampled_from(sorted(proc.reading[key])), unique=True, min_size=1)):
+            proc.zombies.setdefault(key, {})[c] = proc.reading[key].pop(c)
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def zombie_ends(self, name, data):
+        """The engine confirms a given-up transfer stopped: now it is reported failed."""
+        proc = self.procs[name]
+        live = [k for k, z in proc.zombies.items() if z]
+        if not proc.registered or not live:
+            return
+        key = data.draw(st.sampled_from(sorted(live)))
+        chunk = data.draw(st.sampled_from(sorted(proc.zombies[key])))
+        source = proc.zombies[key].pop(chunk)
+        got = self.call(self.hub.progress, p.Progress(name=name, model=key[0], version=key[1], chunks=[],
+                                                      failed=[p.Read(chunk=chunk, source=source)],
+                                                      incarnation=proc.incarnation))
+        if isinstance(got, HubFault) and got.code == "not_found":
+            proc.reading.pop(key, None)
+
+    @rule(name=st.sampled_from(sorted(PROCS)))
+    def slow_beat(self, name):
+        """A heartbeat reply came late, so the process registers again: same incarnation,
+        nothing may be released (no pin, no pending unpublish)."""
+        proc = self.procs[name]
+        if not proc.registered:
+            return
+        before = {n: dict(v.pins) for n, v in self.hub.models.get(MODEL, {}).items()}
+        got = self.hub.register(self.now, p.Register(info=proc.info()))
+        out = self.hub.take_outbound()
+        assert not isinstance(got, HubFault) and not [a for a in out if isinstance(a, Acked) and not a.ok], out
+        assert {n: dict(v.pins) for n, v in self.hub.models.get(MODEL, {}).items()} == before, "(c) pins released"
+        for event in out:
+            self.check_ack(event) if isinstance(event, Acked) else self.commands.add((event.endpoint, event.body.version))
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def stale_op(self, name, data):
+        """A replaced process (an older incarnation) reports: fenced, nothing changes."""
+        proc = self.procs[name]
+        versions = self._readable()
+        if not proc.registered or proc.pid < 2 or not versions:
+            return
+        number = data.draw(st.sampled_from(versions))
+        v = self.hub.models[MODEL][number]
+        before = (dict(v.pins), {n: r.held for n, r in v.replicas.items()})
+        got = self.call(self.hub.progress, p.Progress(name=name, model=MODEL, version=number,
+                                                      chunks=list(range(v.nchunks)),
+                                                      incarnation=f"{name}-{proc.pid - 1}"))
+        assert isinstance(got, HubFault) and got.code == "fenced", got
+        assert (dict(v.pins), {n: r.held for n, r in v.replicas.items()}) == before
 
     @rule(name=st.sampled_from(sorted(PROCS)), pick=st.integers(0, 20))
     def unpublish(self, name, pick):
@@ -341,7 +431,26 @@ class HubMachine(RuleBasedStateMachine):
         held = [n for n in held if (name, n) not in self.pending]
         if not proc.registered or not held:
             return
-        number = held[pick % len(held)]
+        self._unpublish(name, held[pick % len(held)])
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def unpublish_under_zombie(self, name, data):
+        """Contract 3's hard case: a source lets a version go while a transfer a reader
+        gave up on still reads from it."""
+        proc = self.procs[name]
+        live = sorted((k[1], s) for k, z in proc.zombies.items() for s in z.values())
+        if not proc.registered or not live:
+            return
+        number, source = data.draw(st.sampled_from(live))
+        src = self.procs[source]
+        if src.registered and (source, number) not in self.pending and (
+                (MODEL, number) in src.shards or (MODEL, number) in src.chunks):
+            self._unpublish(source, number)
+
+    def _unpublish(self, name, number):
+        proc = self.procs[name]
+        if proc.zombies.get((MODEL, number)):
+            return  # its own memory is still being written: it lets go once that stopped
         if proc.reading.get((MODEL, number)):
             proc.reading[(MODEL, number)].clear()
             self.call(self.hub.cancel, p.Cancel(name=name, model=MODEL, version=number))
@@ -357,16 +466,17 @@ class HubMachine(RuleBasedStateMachine):
         self.now += dt
         for proc in self.procs.values():
             if proc.registered and proc.name not in silent:
-                got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name))
+                got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name, incarnation=proc.incarnation))
                 assert not isinstance(got, HubFault), got
 
     @rule()
     def sweep(self):
         """The service's periodic expiry, which may lag behind the clock."""
         dead = self.hub.expire(self.now)
-        for name in dead:  # silent past expiry: treated as dead, their reads ended
+        for name in dead:  # silent past expiry: treated as dead, their reads fenced
             self.procs[name].registered = False
             self.procs[name].reading.clear()
+            self.procs[name].zombies.clear()
         self.deliver()  # their pending unpublishes are answered (ok=False) before they are forgotten
         for name in dead:
             self.die(self.procs[name])
@@ -386,9 +496,11 @@ class HubMachine(RuleBasedStateMachine):
             for (model, number), rank in proc.shards.items():
                 holdings.append(p.Holding(model=model, version=number, world=len(self.manifests[number]),
                                           shards=[self.manifests[number][rank]], rank=rank))
-            for model, number in sorted(set(proc.chunks) | {k for k, r in proc.reading.items() if r}):
+            live = {k for k, r in proc.reading.items() if r} | {k for k, z in proc.zombies.items() if z}
+            for model, number in sorted(set(proc.chunks) | live):
                 chunks = proc.chunks.get((model, number), set())
-                reading = [p.Read(chunk=c, source=s) for c, s in proc.reading.get((model, number), {}).items()]
+                # zombies too: a transfer given up on still pins its source
+                reading = [p.Read(chunk=c, source=s) for c, s in proc.in_flight((model, number)).items()]
                 holdings.append(p.Holding(model=model, version=number, world=len(self.manifests[number]),
                                           shards=self.manifests[number], held=sorted(chunks), reading=reading))
             got = self.call(self.hub.register, p.Register(info=proc.info(), holdings=holdings))
@@ -405,6 +517,11 @@ class HubMachine(RuleBasedStateMachine):
         if not hasattr(self, "hub"):
             return
         for proc in self.procs.values():
+            for key in [k for k, z in proc.zombies.items() if z]:  # engines confirm they stopped
+                failed = [p.Read(chunk=c, source=s) for c, s in sorted(proc.zombies[key].items())]
+                proc.zombies[key].clear()
+                self.call(self.hub.progress, p.Progress(name=proc.name, model=MODEL, version=key[1], chunks=[],
+                                                        failed=failed))
             for key in [k for k, r in proc.reading.items() if r]:
                 proc.reading[key].clear()
                 self.call(self.hub.cancel, p.Cancel(name=proc.name, model=MODEL, version=key[1]))
@@ -465,6 +582,27 @@ class HubMachine(RuleBasedStateMachine):
                     crossing.setdefault((number, dc), set()).add(proc.name)
         for key, names in crossing.items():
             assert len(names) <= 1, f"(g) several readers cross into {key[1]} for v{key[0]}: {names}"
+
+    @invariant()
+    def j_every_live_transfer_is_pinned(self):
+        """(j) pins follow transfers, not reports: every read a live reader really has in
+        flight from a live source (given up on or not) holds that source's drain back."""
+        if not hasattr(self, "hub"):
+            return
+        versions = self.hub.models.get(MODEL, {})
+        for proc in self.procs.values():
+            if not proc.registered or proc.name not in self.hub.endpoints:
+                continue
+            for key in set(proc.reading) | set(proc.zombies):
+                v = versions.get(key[1])
+                if v is None:
+                    continue
+                for chunk, source in proc.in_flight(key).items():
+                    src = self.hub.endpoints.get(source)
+                    if src is None or self.now - src.last_seen > EXPIRY:
+                        continue  # a lost source: contract 6 re-plans the read
+                    assert v.reads.get(proc.name, {}).get(chunk) == source, \
+                        f"(j) {proc.name}'s transfer of chunk {chunk} from {source} (v{key[1]}) is not pinned"
 
     @invariant()
     def i_derived_indexes_match_what_they_derive_from(self):
