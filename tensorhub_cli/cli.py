@@ -52,20 +52,35 @@ def spec_schema() -> None:
 @app.command()
 def up(file: Path = typer.Argument(..., help="cluster YAML"),
        timeout: float = typer.Option(30.0, help="seconds to wait for every agent to register")) -> None:
-    """Start the hub and one agent per node, and wait until all have registered."""
-    from .launch.cluster import AlreadyRunning, UpError, up as do_up
+    """Start the hub and one agent per node, and wait until all have registered.
+
+    On a running cluster (same spec): restart what died, leave what lives."""
+    from .launch.cluster import AlreadyRunning, ReconcileError, Reconciled, SpecChanged, UpError, up as do_up
+    from .launch.state import StateError
 
     try:
         s = specmod.load(file)
     except specmod.SpecError as exc:
         fail("\n".join(exc.lines), 2)
     try:
-        state = do_up(s, file, timeout=timeout, log=lambda line: out.print(line, highlight=False))
+        state = do_up(s, file, timeout=timeout, log=lambda line: out.print(line, highlight=False, markup=False))
     except AlreadyRunning as exc:
-        out.print(f"{exc}; nothing changed", highlight=False)
+        out.print(f"{exc}; nothing changed", highlight=False, markup=False)
         return
+    except SpecChanged as exc:
+        fail(f"th up: {exc}", 2)
+    except StateError as exc:
+        fail(f"th up: {exc}", 1)
+    except ReconcileError as exc:
+        fail(f"th up: {exc}\n(what was running was left running; what was restarted stays recorded: "
+             f"`th up` again retries the rest, `th down -c {s.name}` stops it all)", 1)
     except UpError as exc:
         fail(f"th up: {exc}\n(everything started was stopped again)", 1)
+    if isinstance(state, Reconciled):
+        out.print(f"cluster {s.name!r} reconciled: restarted {', '.join(state.restarted)}; "
+                  f"left {', '.join(state.left) or 'nothing'} running", highlight=False, markup=False,
+                  soft_wrap=True)
+        return
     out.print(f"cluster {state.cluster!r} is up: {len(state.procs) - 1} agents registered with {state.hub_address}",
               highlight=False)
 
@@ -86,9 +101,10 @@ def down(cluster: Optional[str] = ClusterOpt,
     unknown = [f"{role}@{node}" for role, node, outcome in results if outcome.startswith("unknown")]
     if unknown and forget:
         clear_state(name)
-        out.print(f"forgot {', '.join(unknown)}: unreachable, not stopped")
+        out.print(f"forgot {', '.join(unknown)}: not stopped")
     elif unknown:
-        fail(f"th down: could not reach {', '.join(unknown)}; their state is kept: run `th down -c {name}` again "
+        fail(f"th down: could not stop {', '.join(unknown)} (unreachable, or the signal was refused: see above); "
+             f"their state is kept: run `th down -c {name}` again "
              "(or add --forget if those nodes are gone for good)", 1)
     out.print(f"cluster {name!r} is down")
 
@@ -126,7 +142,8 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
            interval: float = typer.Option(1.0, min=0.2, help="--watch: seconds between refreshes")) -> None:
     """Hub, nodes (alive, rack, DC), endpoints and versions; --watch adds fetch progress and events."""
     from .hub import protocol as p
-    from .launch.cluster import processes_alive
+    from .launch.cluster import processes_alive, proc_key
+    from .launch.procs import endpoint_name
     from .launch.state import cluster_dir
     from .ui.status import render_status
 
@@ -147,9 +164,9 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
             "cluster": name,
             "hub": {"address": state.hub_address, "reachable": reply is not None, "error": str(problem) if problem else None,
                     "pid": state.procs[0].pid if state.procs else None},
-            "processes": [{"role": r.role, "node": r.node, "rack": places.get(r.node, ("", ""))[0],
-                           "dc": places.get(r.node, ("", ""))[1], "pid": r.pid, "running": alive[(r.role, r.node)],
-                           "log": r.log} for r in state.procs],
+            "processes": [{"role": r.role, "node": r.node, "name": endpoint_name(r),
+                           "rack": places.get(r.node, ("", ""))[0], "dc": places.get(r.node, ("", ""))[1],
+                           "pid": r.pid, "running": alive[proc_key(r)], "log": r.log} for r in state.procs],
             "status": msgspec.to_builtins(reply) if reply else None,
         }
         print(json.dumps(doc, indent=2))
@@ -237,7 +254,8 @@ def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
         number = version or operate.next_version(client, model)
         chunk = int((m.chunk_mb if m else 16) * 2**20)
         v = operate.publish_file(client, node, model, str(source.resolve() if spec.launcher == "local" else source),
-                                 number, chunk, timeout)
+                                 number, chunk, timeout,
+                                 log=lambda line: err.print(f"th publish: {line}", highlight=False, markup=False))
     except operate.OperateError as exc:
         fail(f"th publish: {exc}", exc.code)
     finally:
@@ -262,13 +280,18 @@ def sync(model: str = typer.Argument(..., help="model name"),
         fail(f"th sync: --version must be a number or 'latest', got {version!r}", 2)
     name, state = _load_running(cluster)
     client = _hub_client(name, state)
+
+    def log(line: str) -> None:
+        err.print(f"th sync: {line}", highlight=False, markup=False)
+
     try:
         if as_json:
-            run = operate.sync(client, model, None if version == "latest" else int(version), role, node, timeout)
+            run = operate.sync(client, model, None if version == "latest" else int(version), role, node, timeout,
+                               log=log)
         else:
             with SyncView(err) as view:
                 run = operate.sync(client, model, None if version == "latest" else int(version), role, node,
-                                   timeout, view.update)
+                                   timeout, view.update, log=log)
     except operate.OperateError as exc:
         fail(f"th sync: {exc}", exc.code)
     finally:
@@ -500,7 +523,13 @@ def failover(node: str = typer.Argument(..., help="the node to take out of servi
 
 
 def main() -> None:
-    app(prog_name="th")
+    from .launch.state import StateError
+
+    try:
+        app(prog_name="th")
+    except StateError as exc:  # a corrupt state.json, whichever command read it: one line naming the file
+        typer.echo(f"th: {exc}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

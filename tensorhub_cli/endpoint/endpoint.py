@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -106,10 +107,17 @@ class Endpoint:
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
         self._zombies: list = []  # inflight.Zombie: transfers that could not be released yet
+        self._zombie_lock = threading.Lock()  # the fetch loop adds, the service thread reaps
+        self._stopped: dict[tuple[str, int], int] = {}  # zombies of a failed fetch confirmed stopped, per version
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served)
-        self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode())
+        # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
+        # our pins and pending unpublish at the hub; a newer process under our name
+        # fences this one (contract 3).
+        self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode(),
+                                            incarnation=uuid.uuid4().hex)
+        self.incarnation = self.info.incarnation
         self._rpc = HubClient(hub, token, source=host)
         self._rpc_lock = threading.Lock()
         self.last_fetch: dict = {}
@@ -124,7 +132,14 @@ class Endpoint:
 
     # --- plumbing used by the service thread and the fetch loop -----------------------
 
+    def _check_open(self) -> None:
+        if getattr(self, "_shut", False):
+            raise EndpointError(f"endpoint {self.name} is closed; connect again to use the hub")
+
     def _call(self, op: p.Op, timeout: float) -> p.Body:
+        self._check_open()
+        if self.service.fenced:
+            raise HubError(p.Error(code="fenced", message=self.service.fenced))
         with self._rpc_lock:  # the caller's thread and the command worker share this socket
             return self._rpc.call(op, timeout=timeout)
 
@@ -149,7 +164,7 @@ class Endpoint:
     def _add(self, held: Held) -> None:
         with self._lock:
             self._replicas[held.key] = held
-        self.served.add(id(held), held.placed.regions)
+        self.served.add(id(held), held.placed.regions, owner=held.placed)
 
     def _drop(self, held: Held) -> None:
         with self._lock:
@@ -167,6 +182,7 @@ class Endpoint:
 
     def publish(self, model: str, version: int, state_dict: dict, shard: tuple[int, int] = (0, 1),
                 *, chunk_bytes: Optional[int] = None, timeout: float = 10.0) -> p.Manifest:
+        self._check_open()
         manifest, placed = lay_out(state_dict, chunk_bytes or self.chunk_bytes, self.small_bytes)
         busy = [h for h in self._replicas.values() if h.overlaps(placed.regions)]
         if busy:
@@ -177,7 +193,7 @@ class Endpoint:
         self._add(held)
         try:
             self._call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
-                                 rank=rank, world=world), timeout=timeout)
+                                 rank=rank, world=world, incarnation=self.incarnation), timeout=timeout)
         except BaseException:
             self._drop(held)
             raise
@@ -189,8 +205,15 @@ class Endpoint:
         """``timeout``: the whole fetch; ``read_timeout``/``plan_timeout``: one chunk
         read / plan round trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);
         ``resolve_timeout``: naming the version (at most ``timeout``)."""
+        self._check_open()
+        try:
+            number = None if version == "latest" else int(version)
+        except (TypeError, ValueError):
+            raise EndpointError(f"fetch(version=...) takes an int or \"latest\", not {version!r}") from None
+        if not (callable(into) or isinstance(into, dict)):
+            raise EndpointError(f"fetch(into=...) takes a state_dict (name -> tensor) or a callable making one "
+                                f"from the manifests, not {type(into).__name__}")
         deadline = time.monotonic() + timeout
-        number = None if version == "latest" else int(version)
         resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
                               timeout=min(resolve_timeout, timeout))
         held = self._replicas.get((model, resolved.version))
@@ -207,9 +230,9 @@ class Endpoint:
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
         for old in [h for h in list(self._replicas.values()) if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
+        self._await_zombies((model, resolved.version), deadline)
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
         self._add(held)
-        self._reap()
         job = Fetch(self, held, deadline, window,
                     read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
                     plan_timeout=self.plan_timeout_s if plan_timeout is None else plan_timeout,
@@ -225,16 +248,62 @@ class Endpoint:
         self.last_fetch = job.stats
         return resolved.version
 
-    def _reap(self) -> None:
-        """Release transfers a failed or re-planned read left behind, once they let go."""
-        self._zombies = [z for z in self._zombies if not z.engine.release(z.xfer)]
+    def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
+        """Release the transfers reads left behind, once they let go (the service thread,
+        every beat, through ``call``). A failed fetch's reads stayed pinned at the hub:
+        once the last of a version's has stopped, ``Cancel`` unpins them all."""
+        with self._zombie_lock:
+            live = []
+            for z in self._zombies:
+                if not z.engine.release(z.xfer):
+                    live.append(z)
+                elif z.read is not None:
+                    key = (z.model, z.version)
+                    self._stopped[key] = self._stopped.get(key, 0) + 1
+            self._zombies = live
+            waiting = {(z.model, z.version) for z in live if z.read is not None}
+            ready = [key for key in self._stopped if key not in waiting]
+            for key in ready:
+                del self._stopped[key]
+        for model, version in ready:
+            if (model, version) in self._replicas:
+                continue  # a new fetch of it (started after these stopped) owns the pins now
+            try:
+                call(p.Cancel(name=self.name, model=model, version=version, incarnation=self.incarnation),
+                     self.call_timeout_s)
+            except HubUnreachable:
+                with self._zombie_lock:  # try again next beat
+                    self._stopped[(model, version)] = self._stopped.get((model, version), 0) + 1
+            except HubError as exc:  # not_found: the version is gone, and its pins with it
+                log.debug("%s: cancel of stopped reads of %s@%s: %s", self.name, model, version, exc)
+
+    def _await_zombies(self, key: tuple[str, int], deadline: float) -> None:
+        """A fetch of a version whose earlier reads have not stopped yet would share their
+        pins (and maybe their memory): wait for them, within the fetch's deadline."""
+        while True:
+            with self._zombie_lock:
+                if not any(z.read is not None and (z.model, z.version) == key for z in self._zombies):
+                    return
+            if time.monotonic() >= deadline:
+                raise FetchError(f"{self.name}: reads of an earlier fetch of {key[0]}@{key[1]} have not stopped yet")
+            time.sleep(0.01)
 
     def _abort(self, job: Fetch, held: Held) -> None:
         """A failed fetch leaves no replica: stop reads, release pins, let the partial go
-        (each step bounded by ``call_timeout_s``)."""
-        job.stop(timeout=self.call_timeout_s)
-        for op in (p.Cancel(name=self.name, model=held.model, version=held.version),
-                   p.Unpublish(name=self.name, model=held.model, version=held.version)):
+        (each step bounded by ``call_timeout_s``). Reads the engine did not confirm
+        stopped stay pinned at the hub (contract 3) until they end: the service thread
+        reaps them and cancels then; only the others are unpinned now."""
+        left = job.stop(timeout=self.call_timeout_s)
+        if left:
+            log.warning("%s: %d read(s) of %s@%s did not stop within %.1fs; they stay pinned until they do",
+                        self.name, len(left), held.model, held.version, self.call_timeout_s)
+            with self._zombie_lock:
+                self._zombies.extend(left)
+            release: p.Op = job.unpinned()
+        else:
+            release = p.Cancel(name=self.name, model=held.model, version=held.version, incarnation=self.incarnation)
+        for op in (release, p.Unpublish(name=self.name, model=held.model, version=held.version,
+                                        incarnation=self.incarnation)):
             try:
                 self._call(op, timeout=self.call_timeout_s)
             except (HubError, HubUnreachable) as exc:
@@ -242,13 +311,14 @@ class Endpoint:
         self._drop(held)
 
     def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
+        self._check_open()
         held = self._replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self._call(p.Unpublish(name=self.name, model=model, version=version),
+                self._call(p.Unpublish(name=self.name, model=model, version=version, incarnation=self.incarnation),
                            timeout=max(0.1, deadline - time.monotonic()))
                 break
             except HubUnreachable:
@@ -257,6 +327,7 @@ class Endpoint:
                                         "the replica stays registered (readers may still be reading it)") from None
             except HubError as exc:
                 if exc.code == "unknown_endpoint":
+                    time.sleep(0.05)  # (the service thread may not have noticed yet: no hot loop on the hub)
                     self._await_registered(max(0.1, deadline - time.monotonic()))
                     continue
                 if exc.code != "not_found":  # the hub forgot it already: nothing to drain
@@ -309,6 +380,7 @@ class Endpoint:
                 except Exception as exc:
                     log.warning("close: %s", exc)
         self.service.stop()
+        self._shut = True
         for held in list(self._replicas.values()):
             self._drop(held)
         self.peer.close()

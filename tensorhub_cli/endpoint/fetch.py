@@ -10,6 +10,10 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
    thread so hashing overlaps the next reads, before it counts:
    a match makes us a holder of it; a mismatch, an engine failure or a read older than
    ``read_timeout`` goes back to the hub as failed, and the hub re-plans it elsewhere.
+   A read given up while its transfer is pending (timed out; re-planned by the hub)
+   is told to stop, and is reported (which unpins it at its source) only once the
+   engine confirms the transfer can no longer touch either buffer; until then it
+   stays in flight for the hub, and its chunk is not read again (contract 3).
 3. Report verified and failed chunks with the next ``Plan`` (it carries the progress)
    once half the window has finished, and at most 50 ms after the first of them did.
    Done when every chunk is verified. Plans go out without blocking: one is in flight
@@ -37,7 +41,7 @@ from ..engines import wire
 from ..engines.base import EngineError, Pair
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
-from .inflight import Asked, Holder, Reading, Verifying, Zombie
+from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
 from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
@@ -60,6 +64,7 @@ class Fetch:
         self.report_s = report_s
         self.inflight: dict[int, Reading] = {}
         self.verifying: dict[int, Verifying] = {}
+        self.stopping: dict[int, Stopping] = {}
         self.done: list[int] = []
         self.failed: list[p.Read] = []
         self.first_result = 0.0
@@ -91,7 +96,9 @@ class Fetch:
             now = time.monotonic()
             if now > self.deadline:
                 raise FetchError(f"timed out with {len(self.held.held)}/{total} chunks verified")
-            busy = len(self.inflight) + len(self.verifying)
+            if self.ep.service.fenced:  # a replaced process must not complete reads the hub gave away
+                raise FetchError(self.ep.service.fenced)
+            busy = len(self.inflight) + len(self.verifying) + len(self.stopping)
             results = len(self.done) + len(self.failed)
             # Report (with the next plan) once half the window has results, so reads
             # keep flowing, and never sit on a result longer than report_s.
@@ -128,7 +135,7 @@ class Fetch:
     def _ask(self) -> None:
         h = self.held
         op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
-                    chunks=self.done, failed=self.failed)
+                    chunks=self.done, failed=self.failed, incarnation=self.ep.incarnation)
         only_failures = self.failed and not self.done
         self.done, self.failed = [], []
         # Reads that only fail (a dying source the hub has not expired yet, the last
@@ -162,12 +169,12 @@ class Fetch:
         listed = {r.chunk: r.source for r in planned.reads}
         for chunk, reading in list(self.inflight.items()):
             if listed.get(chunk) != reading.source:
-                self._finish(chunk)  # the hub re-planned it: its source is gone
+                self._abandon(chunk, report=False)  # the hub re-planned it: its source is gone
         sources = {s.name: s for s in planned.sources}
         unreported = {r.chunk for r in self.failed}
         for read in planned.reads:
             if read.chunk in self.inflight or read.chunk in self.verifying or read.chunk in h.held \
-                    or read.chunk in unreported:
+                    or read.chunk in unreported or read.chunk in self.stopping:
                 continue
             self._start(read, sources.get(read.source))
 
@@ -215,8 +222,7 @@ class Fetch:
                 if now - reading.started > self.read_timeout:
                     self._warn(source, f"read of chunk {chunk} from {source} timed out after "
                                        f"{now - reading.started:.1f}s")
-                    self._finish(chunk)
-                    self._fail(chunk, source)
+                    self._abandon(chunk, report=True)
                     progressed = True
                 continue
             progressed = True
@@ -226,6 +232,10 @@ class Fetch:
                 self._fail(chunk, source)
             else:  # hashed on a verifier thread, while this one keeps moving bytes
                 self.verifying[chunk] = Verifying(source, self.ep.verifiers.submit(self.held.placed.checksum, chunk))
+        for chunk, stopping in list(self.stopping.items()):
+            if stopping.engine.release(stopping.xfer):
+                progressed = True
+                self._stopped(chunk)
         for chunk, verifying in list(self.verifying.items()):
             if not verifying.digest.done():
                 continue
@@ -257,10 +267,27 @@ class Fetch:
             self.warned.add(source)
             log.warning("%s", message)
 
+    def _abandon(self, chunk: int, *, report: bool) -> None:
+        """Give up a pending read: ask the engine to stop it. Its chunk and pin stay
+        until the engine confirms (``_stopped``), at once or on a later poll."""
+        reading = self.inflight.pop(chunk)
+        self.stopping[chunk] = Stopping(reading.source, reading.engine, reading.xfer, report)
+        if reading.engine.release(reading.xfer):
+            self._stopped(chunk)
+
+    def _stopped(self, chunk: int) -> None:
+        stopping = self.stopping.pop(chunk)
+        with self.held.lock:
+            self.held.reading.pop(chunk, None)
+        if stopping.report:
+            self._fail(chunk, stopping.source)
+
     def _finish(self, chunk: int) -> None:
+        """A read that ended (done or failed): no longer writing, whatever ``release`` says."""
         reading = self.inflight.pop(chunk)
         if not reading.engine.release(reading.xfer):
-            self.ep._zombies.append(Zombie(reading.engine, reading.xfer))
+            with self.ep._zombie_lock:
+                self.ep._zombies.append(Zombie(reading.engine, reading.xfer))
         with self.held.lock:
             self.held.reading.pop(chunk, None)
 
@@ -273,13 +300,37 @@ class Fetch:
         if not self.done and not self.failed:
             self.first_result = time.monotonic()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop every read in flight, waiting up to ``timeout`` seconds for them to end;
-        one still running then is released anyway (kept as a zombie if it cannot be).
-        Afterwards no read of this fetch is ours to poll, so the hub's Cancel may follow."""
+    def stop(self, timeout: float = 5.0) -> list[Zombie]:
+        """Tell every read in flight to stop and wait up to ``timeout`` seconds for the
+        engine to confirm each. Returns the reads it did not confirm, as zombies for the
+        endpoint: they stay pinned at the hub until they end. The rest are ours no more:
+        ``unpinned()`` lists what the hub may unpin now."""
+        for chunk, reading in list(self.inflight.items()):
+            if reading.engine.state(reading.xfer) == "pending":
+                self._abandon(chunk, report=True)
+            else:
+                self._finish(chunk)
+                self.failed.append(p.Read(chunk=chunk, source=reading.source))
         deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
-            for chunk, reading in list(self.inflight.items()):
-                if reading.engine.state(reading.xfer) != "pending" or time.monotonic() >= deadline - 0.01:
-                    self._finish(chunk)
+        while self.stopping and time.monotonic() < deadline:
+            for chunk, stopping in list(self.stopping.items()):
+                if stopping.engine.release(stopping.xfer):
+                    self._stopped(chunk)
             time.sleep(0.001)
+        h = self.held
+        left = [Zombie(s.engine, s.xfer, h.model, h.version, p.Read(chunk=c, source=s.source))
+                for c, s in self.stopping.items()]
+        self.stopping.clear()
+        return left
+
+    def unpinned(self) -> p.Progress:
+        """After ``stop``: the reads that ended, as a report that unpins exactly them."""
+        h = self.held
+        failed = self.failed + [p.Read(chunk=c, source=v.source) for c, v in self.verifying.items()]
+        done = list(self.done)
+        asked = getattr(self, "asked", None)
+        if asked is not None:  # its reply may never come: report what it carried again (idempotent)
+            failed += asked.op.failed
+            done += asked.op.chunks
+        return p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed,
+                          incarnation=self.ep.incarnation)

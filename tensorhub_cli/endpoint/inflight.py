@@ -1,7 +1,8 @@
 """What a fetch has in flight, as typed records (the fetch loop's and the endpoint's).
 
 A record is owned by the thread that made it (the fetch loop, on the caller's
-thread); the endpoint reads ``Zombie``s only between fetches, on that same thread.
+thread); ``Zombie``s go to the endpoint, whose service thread reaps them (under the
+endpoint's zombie lock).
 """
 
 from __future__ import annotations
@@ -51,8 +52,25 @@ class Asked:
 
 
 @dataclass(slots=True)
+class Stopping:
+    """A read given up (timed out, re-planned) whose transfer was told to stop but may
+    still write into the chunk's memory. It stays in flight for the hub (pinned on its
+    source, contract 3) and its chunk is not read again until the engine confirms."""
+
+    source: str
+    engine: Engine
+    xfer: object
+    report: bool  # True: report it failed once stopped; False: the hub re-planned it already
+
+
+@dataclass(slots=True)
 class Zombie:
-    """A transfer that could not be released yet; the endpoint retries later."""
+    """A transfer that could not be released yet; the endpoint retries later. ``read``
+    set: one a failed fetch left pinned at the hub, reported once it stopped (for
+    ``model@version``)."""
 
     engine: Engine
     xfer: object
+    model: str = ""
+    version: int = 0
+    read: p.Read | None = None

@@ -2,8 +2,10 @@
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
 replicas and ``ReadBytes`` from the memory it serves (``engines.serve``, whatever the
 endpoint's engine). Every connection is closed after a refused ask; an idle connection
-is closed after ``idle_s`` (default 300 s). ``close(timeout)`` stops accepting and
-waits up to ``timeout`` (default 5 s) for the server thread to end."""
+is closed after ``idle_s`` (default 300 s), and one whose reader stops receiving
+after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``, 30 s) per slice.
+``close(timeout)`` stops accepting, ends every connection, and waits up to ``timeout``
+(default 5 s) for the server thread to end."""
 
 from __future__ import annotations
 
@@ -15,18 +17,19 @@ import time
 from typing import Callable
 
 from ..engines import wire
-from ..engines.serve import Regions, serve_read
+from ..engines.serve import SEND_TIMEOUT_S, Regions, serve_read
 
 log = logging.getLogger("tensorhub.peer")
 
 
 class PeerServer:
     def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
-                 regions: Regions, *, idle_s: float = 300.0):
+                 regions: Regions, *, idle_s: float = 300.0, send_timeout_s: float = SEND_TIMEOUT_S):
         self._token = token.encode()
         self._describe = describe
         self._regions = regions
         self._idle_s = idle_s
+        self._send_timeout_s = send_timeout_s
         self.last_ask = float("-inf")  # when a peer last asked us anything (the service's pace)
         self._loop = asyncio.new_event_loop()
         self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, host, 0))
@@ -52,11 +55,13 @@ class PeerServer:
                     return
                 self.last_ask = time.monotonic()
                 if isinstance(ask.op, wire.ReadBytes):
-                    await serve_read(writer, self._regions, ask.op)
+                    await serve_read(writer, self._regions, ask.op, send_timeout=self._send_timeout_s)
                 else:
                     writer.write(wire.frame(wire.Answer(body=self._describe(ask.op))))
                     await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+            pass
+        except asyncio.CancelledError:  # ``close``: ending normally spares the stream's callback an error log
             pass
         except Exception:
             log.exception("peer connection failed")
@@ -73,9 +78,19 @@ class PeerServer:
         the listener to close and again for the server thread to end."""
         async def stop() -> None:
             self._server.close()
+            # Connections end here, on the loop: left pending, each would be destroyed
+            # later by the garbage collector on whatever thread, raising "Event loop is
+            # closed" from its ``finally`` (and formatting that traceback concurrently
+            # with other threads' ast use trips a CPython 3.11 race).
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
 
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=timeout)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=timeout)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()

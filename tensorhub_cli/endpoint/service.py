@@ -1,17 +1,29 @@
 """The endpoint's service thread: registration, heartbeats, engine progress, commands.
 
 Protocol. Register (with every holding, so a restarted hub rebuilds our references:
-contract 7), then heartbeat every ``heartbeat_s``. ``unknown_endpoint`` means the hub
-forgot us: register again. Between beats the thread waits on the hub socket for
-pushed ``Command``s in slices of 1 ms while readers are at our memory (the engine's
-passive side must progress for peers' reads to finish), 10 ms while we hold memory
-nobody asked about lately, 50 ms otherwise. Commands run on a
-worker thread, one at a time, through the endpoint's command handler (see
-``endpoint.commands``), so a long fetch never stalls heartbeats.
+contract 7), then heartbeat every ``heartbeat_s``, every op carrying our incarnation.
+``unknown_endpoint`` means the hub forgot us: register again. A beat whose reply is
+slow or lost changes nothing: we keep beating, and stay registered (clearing it would
+make fetches wait for a registration the hub never needed). Were we expired meanwhile,
+the next beat meets ``unknown_endpoint``; a Register repeated with the same incarnation
+keeps every pin and pending unpublish at the hub (contract 3). ``fenced`` means another
+process replaced us under our name: the thread stops for good (no more beats), and
+``fenced`` says why, so fetches in progress and later calls fail naming it. Each beat
+also reaps reads a failed fetch left behind (``Endpoint._reap``).
+
+Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
+1 ms while readers are at our memory (the engine's passive side must progress for
+peers' reads to finish), 10 ms while we hold memory nobody asked about lately, 50 ms
+otherwise. Commands run on a worker thread, one at a time, through the endpoint's
+command handler (see ``endpoint.commands``), so a long fetch never stalls heartbeats.
 
 Waits: each Register or Heartbeat waits ``max(heartbeat_s, 1 s)`` for the hub (a
 beat must not outlast the next one by much); ``stop`` waits ``join_timeout`` for the
-thread and ``deregister_timeout`` for the hub's acknowledgement.
+thread and ``deregister_timeout`` for the hub's acknowledgement. The hub socket is the
+thread's: ``stop`` deregisters and closes it only once the thread has ended (a ZeroMQ
+socket used from two threads, or closed under one, can crash the process); a thread
+still inside a call then is left to close it itself, and we do not deregister (the
+hub expires us).
 """
 
 from __future__ import annotations
@@ -39,7 +51,11 @@ class Service:
         self.registered = threading.Event()
         self.stopping = threading.Event()
         self.last_error: str | None = None
+        self.fenced: str | None = None  # the hub's reason, once another process replaced us
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._exit_lock = threading.Lock()
+        self._exited = False  # the thread no longer touches the socket
+        self._orphaned = False  # stop gave up waiting: the thread closes the socket on its way out
         self._thread = threading.Thread(target=self._run, name=f"th-service-{ep.name}", daemon=True)
         self._worker = threading.Thread(target=self._work, name=f"th-commands-{ep.name}", daemon=True)
 
@@ -54,7 +70,7 @@ class Service:
             self.registered.set()
             return
         try:
-            self.client.call(p.Heartbeat(name=self.ep.name), timeout=timeout)
+            self.client.call(p.Heartbeat(name=self.ep.name, incarnation=self.ep.incarnation), timeout=timeout)
         except HubError as exc:
             if exc.code != "unknown_endpoint":
                 raise
@@ -63,6 +79,15 @@ class Service:
             self._beat()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self._exit_lock:
+                self._exited = True
+                if self._orphaned:
+                    self.client.close()
+
+    def _loop(self) -> None:
         next_beat = 0.0
         while not self.stopping.is_set():
             now = time.monotonic()
@@ -72,10 +97,16 @@ class Service:
                     self.last_error = None
                 except (HubUnreachable, HubError) as exc:
                     self.last_error = str(exc)
+                    if isinstance(exc, HubError) and exc.code == "fenced":
+                        self.fenced = f"{self.ep.name} was fenced by the hub: {exc.error.message}"
+                        log.error("%s; this endpoint stops", self.fenced)
+                        return
                     log.warning("%s: %s", self.ep.name, exc)
-                    if isinstance(exc, HubUnreachable):
-                        self.registered.clear()
                 next_beat = now + self.heartbeat_s
+                try:  # reads a failed fetch left behind: released, and unpinned once stopped
+                    self.ep._reap(lambda op, timeout: self.client.call(op, timeout=timeout))
+                except Exception:
+                    log.exception("%s: reaping stopped reads failed", self.ep.name)
             holding = self.ep.holds_memory() and self.ep.engine.needs_progress
             try:
                 self.client.poll_pushed(self._slice(holding, now))
@@ -113,8 +144,18 @@ class Service:
         self.stopping.set()
         self.commands.put(None)
         self._thread.join(timeout=join_timeout)
+        with self._exit_lock:
+            if not self._exited:
+                log.warning("%s: service thread still busy after %.1fs; it closes its socket when done",
+                            self.ep.name, join_timeout)
+                self._orphaned = True
+                return
+        if self.fenced:  # the hub would refuse it (fenced): nothing of ours is left there
+            self.client.close()
+            return
         try:
-            self.client.call(p.Deregister(name=self.ep.name), timeout=deregister_timeout)
+            self.client.call(p.Deregister(name=self.ep.name, incarnation=self.ep.info.incarnation),
+                             timeout=deregister_timeout)
         except (HubError, HubUnreachable):
             pass
         self.client.close()

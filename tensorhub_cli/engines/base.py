@@ -86,9 +86,10 @@ class Engine(ABC):
 
     @abstractmethod
     def release(self, transfer: object) -> bool:
-        """Free a transfer. Returns False when it is still in flight and could not be
-        stopped; the caller keeps it and tries again later (its target memory may still
-        be written until then). True: the target memory is the caller's again."""
+        """Free a transfer; a pending one is told to stop. Returns False while it may
+        still touch either buffer (in flight, or stopping but not confirmed): the caller
+        keeps it, counts it as in flight (its source's pin stays, contract 3) and tries
+        again later. True: it is over, and the target memory is the caller's again."""
 
     def progress(self) -> None:
         """Let the transport serve peers' reads of our memory; called every millisecond

@@ -17,14 +17,22 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   connection info). Loading it again for a known agent adds the new regions (checked),
   so one remote agent per holder serves every version it publishes.
 
+Closing: UCX may still write into local memory for a READ that is posted, so
+``close`` releases every transfer not yet released (NIXL aborts a posted one, or
+refuses while it cannot) for up to ``timeout`` (5 s), and drops the agent only once
+none is left; one that would not let go keeps the agent alive (a leak, logged, rather
+than memory written after its owner freed it).
+
 NIXL calls are serialized by one lock: the fetch loop, the service thread's progress
 and the peer server's ``describe`` run on different threads.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 
 import msgspec
 
@@ -32,6 +40,7 @@ from .base import Engine, EngineError, Pair, Region, State
 from .nixl_shim import load_nixl
 
 _STATES = {"DONE": "done", "PROC": "pending"}
+log = logging.getLogger("tensorhub.nixl")
 
 
 class NixlEngine(Engine):
@@ -41,6 +50,7 @@ class NixlEngine(Engine):
     def __init__(self, name: str):
         nixl = load_nixl()
         self._lock = threading.Lock()
+        self._posted: set = set()  # transfer handles not released yet
         self._agent = nixl.nixl_agent(
             f"{name}.{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
@@ -87,6 +97,7 @@ class NixlEngine(Engine):
                 if self._agent.transfer(handle) == "ERR":
                     self._agent.release_xfer_handle(handle)
                     raise EngineError("NIXL refused to start the READ")
+                self._posted.add(handle)
                 return handle
         except EngineError:
             raise
@@ -104,6 +115,7 @@ class NixlEngine(Engine):
         try:
             with self._lock:
                 self._agent.release_xfer_handle(transfer)
+                self._posted.discard(transfer)
             return True
         except Exception:
             return False
@@ -112,6 +124,25 @@ class NixlEngine(Engine):
         with self._lock:
             self._agent.get_new_notifs()
 
-    def close(self) -> None:
-        with self._lock:
-            self._agent = None
+    def close(self, timeout: float = 5.0) -> None:
+        """Release every posted transfer (bounded by ``timeout``), then drop the agent;
+        see the module's docstring for one that will not let go."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._agent is None:
+                    return
+                for handle in list(self._posted):
+                    try:
+                        self._agent.release_xfer_handle(handle)
+                        self._posted.discard(handle)
+                    except Exception:
+                        pass  # still in flight: NIXL could not abort it yet
+                if not self._posted:
+                    self._agent = None
+                    return
+            if time.monotonic() >= deadline:
+                log.warning("%d NIXL transfer(s) still posted after %.1fs; keeping the agent alive",
+                            len(self._posted), timeout)
+                return
+            time.sleep(0.01)

@@ -6,8 +6,13 @@ deregistered, so an ask is checked against memory that is still ours. ``serve_re
 (called by the endpoint's asyncio peer server for each ``ReadBytes``) answers
 ``Refused`` when the range is not wholly inside host memory we serve, else ``Bytes``
 and exactly ``nbytes`` raw bytes, streamed in 1 MiB slices so that at most one slice
-is buffered per connection. ``TH_TEST_SERVE_BPS`` throttles serving (bytes/s): a test
-hook that makes a read slow enough to unpublish under.
+is buffered per connection. The send holds a reference to what registered the range
+(``add``'s ``owner``: the tensors) until it ends, so memory unpublished and dropped
+mid-send is never freed under it. Each slice must drain within ``send_timeout``
+(``SEND_TIMEOUT_S``, 30 s: a reader that stops receiving would otherwise pin that
+reference, and its connection, forever); past it the connection is closed.
+``TH_TEST_SERVE_BPS`` throttles serving (bytes/s): a test hook that makes a read slow
+enough to unpublish under.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from . import wire
 from .base import Region, host_view
 
 SLICE = 1 << 20
+SEND_TIMEOUT_S = 30.0  # one slice (1 MiB) to a reader that still receives takes far less
 
 
 class Regions:
@@ -27,12 +33,14 @@ class Regions:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_handle: dict[int, list[Region]] = {}
+        self._by_handle: dict[int, tuple[list[Region], object]] = {}
 
-    def add(self, key: int, regions: list[Region]) -> None:
-        """From now on asks inside ``regions`` are served."""
+    def add(self, key: int, regions: list[Region], owner: object = None) -> None:
+        """From now on asks inside ``regions`` are served; ``owner`` (what keeps the
+        memory alive: the tensors) is held by every send from it until the send ends."""
         with self._lock:
-            self._by_handle[key] = list(regions)
+            regions = list(regions)
+            self._by_handle[key] = (regions, regions if owner is None else owner)
 
     def remove(self, key: int) -> None:
         """From now on no new ask inside them is served (a slice being sent finishes)."""
@@ -40,22 +48,43 @@ class Regions:
             self._by_handle.pop(key, None)
 
     def contains(self, addr: int, nbytes: int) -> bool:
+        return self.owner(addr, nbytes) is not None
+
+    def owner(self, addr: int, nbytes: int) -> object | None:
+        """The owner of the host range ``addr .. addr + nbytes`` if we serve all of it."""
         with self._lock:
-            return any(r.device < 0 and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes
-                       for regions in self._by_handle.values() for r in regions)
+            for regions, owner in self._by_handle.values():
+                if any(r.device < 0 and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes for r in regions):
+                    return owner
+        return None
 
 
-async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.ReadBytes) -> None:
-    if ask.nbytes <= 0 or not regions.contains(ask.addr, ask.nbytes):
+async def _drain(writer: asyncio.StreamWriter, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(writer.drain(), timeout)
+    except asyncio.TimeoutError:
+        writer.close()
+        raise ConnectionAbortedError(f"reader took more than {timeout:.0f}s to receive a slice; closed") from None
+
+
+async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.ReadBytes, *,
+                     send_timeout: float = SEND_TIMEOUT_S) -> None:
+    """Raises ``ConnectionError`` (the connection closed) when a slice does not drain
+    within ``send_timeout`` seconds."""
+    owner = regions.owner(ask.addr, ask.nbytes) if ask.nbytes > 0 else None
+    if owner is None:
         writer.write(wire.frame(wire.Answer(body=wire.Refused(
             code="not_registered", message=f"{ask.nbytes} bytes at {ask.addr:#x} are not memory this endpoint serves"))))
-        await writer.drain()
+        await _drain(writer, send_timeout)
         return
     writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=ask.nbytes))))
     rate = float(os.environ.get("TH_TEST_SERVE_BPS") or 0)
     view = host_view(ask.addr, ask.nbytes)
-    for start in range(0, ask.nbytes, SLICE):
-        writer.write(view[start:start + SLICE])
-        await writer.drain()
-        if rate:
-            await asyncio.sleep(min(SLICE, ask.nbytes - start) / rate)
+    try:
+        for start in range(0, ask.nbytes, SLICE):
+            writer.write(view[start:start + SLICE])
+            await _drain(writer, send_timeout)
+            if rate:
+                await asyncio.sleep(min(SLICE, ask.nbytes - start) / rate)
+    finally:
+        del owner  # (held to here on purpose: the raw view keeps nothing alive)

@@ -49,8 +49,8 @@ def load_checkpoint(hub: HubState, now: float, op: p.Load) -> p.Ok:
 def events_since(hub: HubState, now: float, op: p.Events) -> p.EventsReply:
     """Events after ``op.since``; ``first_seq`` says whether the bound dropped some."""
     kept = hub.events
-    first = kept[0].seq if kept else 0
-    return p.EventsReply(events=[e for e in kept if e.seq > op.since], first_seq=first)
+    first, last = (kept[0].seq, kept[-1].seq) if kept else (0, 0)
+    return p.EventsReply(events=[e for e in kept if e.seq > op.since], first_seq=first, last_seq=last)
 
 
 def note(hub: HubState, now: float, op: p.Note) -> p.Ok:

@@ -53,7 +53,7 @@ def heartbeat(hub: HubState, now: float, op: p.Heartbeat) -> p.Ok:
 
 
 def deregister(hub: HubState, now: float, op: p.Deregister) -> p.Ok:
-    hub.endpoint(op.name)
+    hub.endpoint(op.name, op.incarnation)
     drop_endpoint(hub, now, op.name)
     settle(hub, now)
     return p.Ok()

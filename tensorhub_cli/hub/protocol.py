@@ -106,6 +106,7 @@ class Heartbeat(Msg, tag="heartbeat"):
 
 class Deregister(Msg, tag="deregister"):
     name: str
+    incarnation: str = ""  # a replaced process's Deregister must not drop its successor
 
 
 class Publish(Msg, tag="publish"):
@@ -306,6 +307,7 @@ class EndpointStatus(Msg):
     rack: str = ""
     dc: str = ""
     reliable: bool = True
+    pid: int = 0  # which process holds the name (scale and reconcile check it is theirs)
     # Bytes of reads the hub planned for this endpoint since it registered, and how
     # many of them from publishers (a trainer's send counter, per reader).
     bytes_planned: int = 0
@@ -349,6 +351,8 @@ class EventsReply(Msg, tag="events"):
     events: list[Event]
     # The oldest seq still kept: above ``since + 1``, events were lost to the bound.
     first_seq: int = 0
+    # The newest seq: below ``since``, the hub restarted (its seqs began again at 1).
+    last_seq: int = 0
 
 
 Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply, EventsReply]

@@ -139,11 +139,11 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     bad = [c for c in op.chunks if not 0 <= c < v.nchunks]
     if bad:
         raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
-    rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
-    for c in op.chunks:
-        rep.held |= 1 << c
-        hub.unpin(v, op.name, c)
-    if op.chunks:
+    if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
+        rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+        for c in op.chunks:
+            rep.held |= 1 << c
+            hub.unpin(v, op.name, c)
         if rep.rank < 0:
             v.respread(rep.held, hub.endpoints[op.name].place.dc)
         if rep.held == v.full:

@@ -99,11 +99,6 @@ class HubService:
             return [(ident, self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})"))]
         if not hmac.compare_digest(req.token.encode(), self._token):
             return [(ident, self._refuse(req.rid, "auth", "bad cluster token"))]
-        if isinstance(req.op, _CONTROL):
-            # Pushed commands go to the socket that registers and beats; an endpoint's
-            # other socket (its caller's thread) never sees a frame it did not ask for.
-            name = req.op.name if isinstance(req.op, p.Heartbeat) else req.op.info.name
-            self.idents[name] = ident
         now = self.clock()
         try:
             if isinstance(req.op, p.Status):
@@ -116,6 +111,13 @@ class HubService:
         except Exception as exc:  # a bug in the state machine must not take the hub down
             log.exception("operation %s failed", type(req.op).__name__)
             return [(ident, self._refuse(req.rid, "internal", f"{type(exc).__name__}: {exc}"))]
+        if isinstance(req.op, _CONTROL) and not isinstance(body, p.Error):
+            # Pushed commands go to the socket that registers and beats; an endpoint's
+            # other socket (its caller's thread) never sees a frame it did not ask for.
+            # Only an accepted one: a refused duplicate (conflict, fenced) must not take
+            # the live endpoint's route.
+            name = req.op.name if isinstance(req.op, p.Heartbeat) else req.op.info.name
+            self.idents[name] = ident
         self.hub.count("ops")
         out = []
         if body is None:  # deferred: an unpublish waiting for its drain

@@ -25,7 +25,7 @@ def status(hub: HubState, now: float) -> p.StatusReply:
         p.EndpointStatus(name=ep.name, node=ep.info.node, role=ep.info.role, kind=ep.info.kind,
                          alive=hub.alive(now, ep.name), heartbeat_age_s=round(now - ep.last_seen, 3),
                          replicas=held.get(ep.name, 0), rack=ep.info.rack, dc=ep.info.dc,
-                         reliable=ep.info.reliable, bytes_planned=ep.bytes_planned,
+                         reliable=ep.info.reliable, pid=ep.info.pid, bytes_planned=ep.bytes_planned,
                          bytes_from_publishers=ep.bytes_from_publishers)
         for ep in sorted(hub.endpoints.values(), key=lambda e: e.name)
     ]

@@ -1,12 +1,26 @@
 """Bring a cluster up and down, whatever the launcher.
 
-Protocol of ``up``: validate → refuse if already running (changing nothing) → preflight
-(every node reachable and able to run us) → write token and spec copy → start the hub
-→ start one agent per node, through a bounded pool → wait until every agent has
-registered. Each start is recorded in ``state.json`` as it returns. Any failure tears
-down exactly what was started and raises ``UpError`` with the reason (per node: ssh
-errors, or the log tail of an agent that died). ``down`` stops the recorded processes
-that are still ours, agents first so they can deregister, then the hub.
+Protocol of ``up``: validate → if a recorded process of the cluster still lives,
+reconcile (below) → preflight (every node reachable and able to run us) → write token
+and spec copy → start the hub → start one agent per node, through a bounded pool →
+wait until every agent has registered. Each start is recorded in ``state.json`` as it
+returns. Any failure tears down exactly what was started and raises ``UpError`` with
+the reason (per node: ssh errors, or the log tail of an agent that died). ``down``
+stops the recorded processes that are still ours, agents first so they can
+deregister, then the hub.
+
+Protocol of ``reconcile`` (``up`` on a running cluster, as ``ray up`` does): the spec
+given must be the one the cluster runs (the copy in the state directory), else
+``SpecChanged`` names the changed fields and nothing changes. Every recorded process
+still alive is left as it is; what died is started again with the arguments ``up``
+gives it: the hub first (its preflight bind check first: SO_REUSEADDR, so the
+TIME_WAIT sockets of a killed hub do not block it), then missing agents, then, once
+every agent is registered, the recorded runners (``scale.Operator.restart``, under
+the names they had). Soft state (contract 7) does the rest: live agents and runners
+re-register with a restarted hub carrying their holdings, so retained copies stay.
+Each restart is recorded as it returns; a failure stops nothing that lived and
+raises ``ReconcileError`` (an ``UpError``); what it did restart stays recorded (``th down`` stops it, another
+``th up`` retries the rest). Nothing died: ``AlreadyRunning``.
 
 Every wait has a limit the caller may set: ``up(timeout=)`` for registration (and
 ``call_timeout`` per status request to the hub), ``down(stop_timeout=)`` per process,
@@ -21,13 +35,15 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
-from ..spec import ClusterSpec, load, resolve_path
+from ..spec import ClusterSpec, SpecError, load, resolve_path
+from ..spec.diff import changed_fields
 from .local import LocalLauncher
-from .procs import STOP_TIMEOUT_S
+from .procs import STOP_TIMEOUT_S, endpoint_name
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
 
 
@@ -42,6 +58,21 @@ class UpError(Exception):
 
 class AlreadyRunning(Exception):
     pass
+
+
+class ReconcileError(UpError):
+    """A restart on a running cluster failed; what lived still lives."""
+
+
+class SpecChanged(Exception):
+    """``th up`` on a running cluster with another spec than the one it runs."""
+
+
+@dataclass
+class Reconciled:
+    state: ClusterState
+    restarted: list[str] = field(default_factory=list)  # "role@node (pid N)"
+    left: list[str] = field(default_factory=list)
 
 
 def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_timeout: float | None = None):
@@ -62,10 +93,6 @@ def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:
             "--drain-timeout-s", str(e.drain_timeout_s)]
 
 
-def running_procs(state: ClusterState, launcher) -> list[str]:
-    return [f"{r.role}@{r.node} (pid {r.pid})" for r in state.procs if launcher.alive(r)]
-
-
 def _token(spec: ClusterSpec, spec_path: Path) -> str | None:
     if spec.auth.token:
         return spec.auth.token
@@ -74,8 +101,28 @@ def _token(spec: ClusterSpec, spec_path: Path) -> str | None:
     return None
 
 
+def hub_args(spec: ClusterSpec, state: ClusterState, launcher, token: str) -> list[str]:
+    hub_node = spec.node(spec.hub.node)
+    args = ["--bind", state.hub_address, "--token-file", launcher.token_path(hub_node, token),
+            "--cluster", spec.name, "--expiry-s", str(spec.hub.expiry_s)]
+    if spec.hub.metrics_port:
+        args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
+    for m in spec.models:
+        args += ["--retain", f"{m.name}={m.retain.keep_latest}:{m.retain.min_reliable_copies}"]
+    return args
+
+
+def agent_args(spec: ClusterSpec, state: ClusterState, launcher, node, token: str) -> list[str]:
+    return ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--node", node.name,
+            "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
+            "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine,
+            *endpoint_timeout_args(spec)] + (["--spot"] if node.spec.spot else [])
+
+
 def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIMEOUT_S, log=print,
-       call_timeout: float = STATUS_CALL_TIMEOUT_S) -> ClusterState:
+       call_timeout: float = STATUS_CALL_TIMEOUT_S) -> ClusterState | Reconciled:
+    """A fresh cluster (its ``ClusterState``), or, when recorded processes of it still
+    live, ``reconcile`` (a ``Reconciled``)."""
     d = cluster_dir(spec.name)
     from .ssh import SshError
 
@@ -83,9 +130,9 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
     try:
         old = read_state(spec.name)
         if old is not None:
-            alive = running_procs(old, launcher)
-            if alive:
-                raise AlreadyRunning(f"cluster {spec.name!r} is already running: {', '.join(alive)}")
+            alive = [launcher.alive(r) for r in old.procs]
+            if any(alive):
+                return reconcile(spec, old, alive, launcher, timeout, log, call_timeout)
             log(f"cluster {spec.name!r}: clearing stale state of a cluster that is no longer running")
             clear_state(spec.name)
         problems = launcher.preflight()
@@ -111,22 +158,13 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
     )
     try:
         token = read_token(spec.name)
-        hub_args = ["--bind", state.hub_address, "--token-file", launcher.token_path(hub_node, token),
-                    "--cluster", spec.name, "--expiry-s", str(spec.hub.expiry_s)]
-        if spec.hub.metrics_port:
-            hub_args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
-        for m in spec.models:
-            hub_args += ["--retain", f"{m.name}={m.retain.keep_latest}:{m.retain.min_reliable_copies}"]
-        state.procs.append(launcher.start(hub_node, "hub", "tensorhub_cli.hub", hub_args))
+        state.procs.append(launcher.start(hub_node, "hub", "tensorhub_cli.hub", hub_args(spec, state, launcher, token)))
         write_state(state)
         log(f"hub     {hub_node.name:<12} {state.hub_address}")
         lock = threading.Lock()
 
         def start_agent(node) -> None:
-            args = ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--node", node.name,
-                    "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
-                    "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine,
-                    *endpoint_timeout_args(spec)] + (["--spot"] if node.spec.spot else [])
+            args = agent_args(spec, state, launcher, node, token)
             rec = launcher.start(node, "agent", "tensorhub_cli.agent", args)
             with lock:
                 state.procs.append(rec)
@@ -150,6 +188,102 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
     return state
 
 
+def reconcile(spec: ClusterSpec, state: ClusterState, alive: list[bool], launcher, timeout: float, log=print,
+              call_timeout: float = STATUS_CALL_TIMEOUT_S) -> Reconciled:
+    """Restart what died of a running cluster, leave what lives (module docstring).
+    ``alive[i]``: whether ``state.procs[i]`` still runs. The caller closes
+    ``launcher``."""
+    from . import scale
+    from .ssh import SshError
+
+    d = cluster_dir(spec.name)
+    try:
+        running = load(d / "spec.yaml")
+    except (OSError, SpecError) as exc:
+        raise ReconcileError(f"cluster {spec.name!r} runs, but its spec copy {d / 'spec.yaml'} is unreadable "
+                             f"({exc}); stop it with `th down -c {spec.name}`") from None
+    changes = changed_fields(running, spec)
+    if changes:
+        raise SpecChanged(f"cluster {spec.name!r} is running another spec: changed {', '.join(changes)}; "
+                          f"nothing changed (to run this spec: `th down -c {spec.name}`, then `th up`)")
+    dead = [r for r, ok in zip(state.procs, alive) if not ok]
+    hub_dead = not any(r.role == "hub" for r in state.procs) or any(r.role == "hub" for r in dead)
+    agents_to_start = [n for n in spec.nodes() if not any(
+        r.role == "agent" and r.node == n.name and r not in dead for r in state.procs)]
+    if not dead and not agents_to_start:
+        raise AlreadyRunning(f"cluster {spec.name!r} is already running: "
+                             + ", ".join(f"{r.role}@{r.node} (pid {r.pid})" for r in state.procs))
+    out = Reconciled(state, left=[f"{process_name(r)} (pid {r.pid})" for r, ok in zip(state.procs, alive) if ok])
+    for what in out.left:
+        log(f"left      {what}: running")
+
+    def recorded(old, new) -> None:
+        """``new`` replaces the dead ``old`` (None: ``new`` was missing) in the record."""
+        if old is None:
+            state.procs.insert(0 if new.role == "hub" else len(state.procs), new)
+        else:
+            state.procs[state.procs.index(old)] = new
+        write_state(state)
+        out.restarted.append(f"{process_name(new)} (pid {new.pid})")
+        log(f"restarted {process_name(new)} (pid {new.pid}" + (f"; pid {old.pid} had died)" if old else ")"))
+
+    token = read_token(spec.name)
+    try:
+        if hub_dead:
+            problems = launcher.preflight()
+            if problems:
+                raise ReconcileError("cannot restart the hub: " + "; ".join(problems))
+            new = launcher.start(spec.node(spec.hub.node), "hub", "tensorhub_cli.hub",
+                                 hub_args(spec, state, launcher, token))
+            recorded(next((r for r in dead if r.role == "hub"), None), new)
+        else:  # a killed agent is listed alive until it expires; its successor could not register before
+            wait_expired(state, [f"agent-{n.name}" for n in agents_to_start], call_timeout)
+        for node in agents_to_start:
+            new = launcher.start(node, "agent", "tensorhub_cli.agent", agent_args(spec, state, launcher, node, token))
+            recorded(next((r for r in dead if r.role == "agent" and r.node == node.name), None), new)
+        wait_registered(spec, state, launcher, timeout, call_timeout)
+    except ReconcileError:
+        raise
+    except (SshError, UpError, RuntimeError) as exc:  # RuntimeError: a local start that exited at once
+        raise ReconcileError(str(exc)) from None
+    runners = [r for r in dead if r.role not in ("hub", "agent")]
+    if runners:
+        try:
+            pairs = scale.run(spec.name, state, lambda op: op.restart(runners), log=lambda *_: None)
+        except (scale.ScaleError, SshError) as exc:
+            raise ReconcileError(f"runners not restarted: {exc}") from None
+        for old, new in pairs:  # already recorded by the operator
+            out.restarted.append(f"{process_name(new)} (pid {new.pid})")
+            log(f"restarted {process_name(new)} (pid {new.pid}; pid {old.pid} had died)")
+    return out
+
+
+def process_name(rec) -> str:
+    """``NAME@NODE`` of a recorded process, for the user: ``hub@node1``,
+    ``agent@node2``, ``rollout-node2-1@node2``."""
+    return f"{rec.role if rec.role in ('hub', 'agent') else endpoint_name(rec)}@{rec.node}"
+
+
+def wait_expired(state: ClusterState, names: list[str], call_timeout: float = STATUS_CALL_TIMEOUT_S) -> None:
+    """Until the hub lists none of ``names`` alive (dead processes it has not expired
+    yet), at most twice its expiry plus a second; an unreachable hub is not waited for."""
+    if not names:
+        return
+    client = HubClient(state.hub_address, read_token(state.cluster))
+    deadline = time.monotonic() + 2 * state.expiry_s + 1.0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                status = client.call(p.Status(), timeout=call_timeout)
+            except (HubUnreachable, HubError):
+                return
+            if not {e.name for e in status.endpoints if e.alive} & set(names):
+                return
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
 def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: float,
                     call_timeout: float = STATUS_CALL_TIMEOUT_S) -> None:
     """Until every node's agent is alive at the hub, at most ``timeout`` seconds; each
@@ -160,8 +294,8 @@ def wait_registered(spec: ClusterSpec, state: ClusterState, launcher, timeout: f
     missing = set(want)
     next_check = 0.0
     try:
+        hub = next(r for r in state.procs if r.role == "hub")
         while time.monotonic() < deadline:
-            hub = state.procs[0]
             if time.monotonic() >= next_check:  # over ssh each check is a round trip
                 next_check = time.monotonic() + 1.0
                 if not launcher.alive(hub):
@@ -217,9 +351,16 @@ def down(name: str, log=print, stop_timeout: float = STOP_TIMEOUT_S) -> list[tup
                       stop_timeout=stop_timeout)
 
 
+def proc_key(rec) -> tuple[str, str]:
+    """How ``processes_alive`` names a record: (role, node), or (role, name) for a
+    runner with a name of its own (a node's second runner of a role)."""
+    return (rec.role, rec.name) if rec.name else (rec.role, rec.node)
+
+
 def processes_alive(name: str, state: ClusterState,
                     connect_timeout: float = PROBE_CONNECT_TIMEOUT_S) -> dict[tuple[str, str], bool | None]:
-    """(role, node) → is the recorded process still ours; None when it cannot be told
+    """``proc_key(rec)`` ((role, node); a named runner: (role, name)) → is the recorded
+    process still ours; None when it cannot be told
     (its node unreachable). Checked in parallel: over ssh each is a round trip, and an
     unreachable node costs at most ``connect_timeout``, not the spec's full one."""
     from .ssh import SshError
@@ -234,7 +375,7 @@ def processes_alive(name: str, state: ClusterState,
 
     try:
         with ThreadPoolExecutor(max(1, min(launcher.parallel, len(state.procs) or 1))) as pool:
-            return dict(zip(((r.role, r.node) for r in state.procs), pool.map(check, state.procs)))
+            return dict(zip(map(proc_key, state.procs), pool.map(check, state.procs)))
     finally:
         launcher.close()
 
@@ -249,7 +390,7 @@ def logs(name: str, state: ClusterState, node: str, lines: int, follow: bool, wr
     try:
         if follow and len(recs) > 1:  # one stream each, interleaved as lines arrive
             threads = [threading.Thread(target=launcher.logs, daemon=True,
-                                        args=(r, lines, True, _prefixed(write, f"{r.role}-{r.node}")))
+                                        args=(r, lines, True, _prefixed(write, endpoint_name(r))))
                        for r in recs]
             for t in threads:
                 t.start()
@@ -257,7 +398,7 @@ def logs(name: str, state: ClusterState, node: str, lines: int, follow: bool, wr
                 time.sleep(0.2)
         else:
             for r in recs:
-                launcher.logs(r, lines, follow, _prefixed(write, f"{r.role}-{r.node}"))
+                launcher.logs(r, lines, follow, _prefixed(write, endpoint_name(r)))
     finally:
         launcher.close()
 

@@ -36,6 +36,9 @@ class LocalLauncher:
             if port is None:
                 continue
             with socket.socket() as s:
+                # As the hub's own listeners do: a killed hub's TIME_WAIT sockets must not
+                # block its restart; a socket still listening there does.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((hub.spec.address, port))
                 except OSError as exc:
@@ -45,9 +48,11 @@ class LocalLauncher:
     def token_path(self, node: PlacedNode, token: str) -> str:
         return str(self.state_dir / "token")  # written by `up`; every process here shares it
 
-    def start(self, node: PlacedNode, role: str, module: str, args: list[str]) -> ProcRecord:
+    def start(self, node: PlacedNode, role: str, module: str, args: list[str], name: str | None = None) -> ProcRecord:
+        """``name``: the process's own name (a runner's endpoint name) for its log
+        file; default ``ROLE-NODE``."""
         argv = [self._python(node), "-m", module, *args]
-        log = self.state_dir / "logs" / f"{role}-{node.name}.log"
+        log = self.state_dir / "logs" / f"{name or f'{role}-{node.name}'}.log"
         return spawn(role, node.name, argv, log, marker=module)
 
     def alive(self, rec: ProcRecord) -> bool:

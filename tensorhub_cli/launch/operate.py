@@ -3,7 +3,13 @@
 Both ask the hub to command endpoints (``Load`` → the node's agent, ``Sync`` → the
 targets), then watch the hub's view until every target is done or has failed: a
 complete replica is success; a ``*_failed`` report, or a target the hub no longer
-lists as alive, is failure. Nothing here moves bytes. Every wait has a deadline the
+lists as alive, is failure. Nothing here moves bytes.
+
+Reports are followed with the hub's ``Events`` op from the seq current when the
+command started, so every event since then is seen, however many others came in
+between (a status shows only the last few). When the hub's bound dropped some
+(``first_seq > since + 1``) the command says so and goes on judging by holders and
+liveness, which cannot tell a failed target from a slow one before the deadline. Every wait has a deadline the
 caller passes: ``timeout`` for the whole operation, ``call_timeout`` for each request
 to the hub, ``poll_s`` between looks at its view.
 """
@@ -42,6 +48,32 @@ def _last_seq(client: HubClient, timeout: float) -> int:
     return events[-1].seq if events else 0
 
 
+class Events:
+    """Every hub event after ``since``, in order, each handed out once by ``poll``;
+    ``log`` hears once if some were dropped by the hub's bound before we saw them."""
+
+    def __init__(self, client: HubClient, since: int, call_timeout: float, log: Callable[[str], None]):
+        self.client, self.since, self.call_timeout, self.log = client, since, call_timeout, log
+        self.dropped = False
+
+    def poll(self) -> list[p.Event]:
+        reply = _call(self.client, p.Events(since=self.since), self.call_timeout)
+        if reply.last_seq < self.since:  # the hub restarted: its seqs began again at 1
+            self.log("the hub restarted (its events restart at seq 1); following them from there")
+            self.since = 0
+            reply = _call(self.client, p.Events(since=0), self.call_timeout)
+        if reply.events and reply.first_seq > self.since + 1 and not self.dropped:
+            self.dropped = True
+            lost = reply.first_seq - self.since - 1
+            self.log(f"{lost} hub event(s) (seq {self.since + 1}..{reply.first_seq - 1}) were dropped before they "
+                     "could be read "
+                     "(the hub keeps a bounded log); a failure reported among them is unknown: judging by holders "
+                     "and liveness until the deadline")
+        if reply.events:
+            self.since = reply.events[-1].seq
+        return reply.events
+
+
 def check_checkpoint(path: Path) -> None:
     """Fail early, naming the file, when a local checkpoint is not a readable safetensors."""
     if not path.is_file():
@@ -71,17 +103,18 @@ def next_version(client: HubClient, model: str, call_timeout: float = CALL_TIMEO
 
 
 def publish_file(client: HubClient, node: str, model: str, path: str, version: int, chunk_bytes: int,
-                 timeout: float, call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S) -> p.VersionStatus:
+                 timeout: float, call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S,
+                 log: Callable[[str], None] = lambda line: None) -> p.VersionStatus:
     """Have ``node``'s agent load ``path`` and publish it; returns the READY version,
     or fails once ``timeout`` seconds have passed."""
-    since = _last_seq(client, call_timeout)
+    events = Events(client, _last_seq(client, call_timeout), call_timeout, log)
     _call(client, p.Load(node=node, model=model, version=version, path=path, chunk_bytes=chunk_bytes), call_timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = _call(client, p.Status(), call_timeout)
-        for e in status.events:
-            if e.seq > since and e.kind == "load_failed" and (e.model, e.version) == (model, version):
+        for e in events.poll():
+            if e.kind == "load_failed" and (e.model, e.version) == (model, version):
                 raise OperateError(f"agent-{node} could not publish {path}: {e.message}")
+        status = _call(client, p.Status(), call_timeout)
         for v in status.versions:
             if (v.model, v.version) == (model, version) and v.state == "READY":
                 return v
@@ -111,22 +144,25 @@ class SyncRun:
 
 def sync(client: HubClient, model: str, version: Optional[int], role: Optional[str], node: Optional[str],
          timeout: float, on_update: Callable[[SyncRun], None] = lambda run: None,
-         call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S) -> SyncRun:
+         call_timeout: float = CALL_TIMEOUT_S, poll_s: float = POLL_S,
+         log: Callable[[str], None] = lambda line: None) -> SyncRun:
     """Ask for the sync and watch it; a target not done within ``timeout`` seconds is
-    marked failed."""
-    since = _last_seq(client, call_timeout)
+    marked failed. ``log`` hears about events the hub dropped before we read them."""
+    events = Events(client, _last_seq(client, call_timeout), call_timeout, log)
+    failures: dict[str, str] = {}
     synced = _call(client, p.Sync(model=model, version=version, role=role, node=node), call_timeout)
     run = SyncRun(model=model, version=synced.version, nbytes=0,
                   targets={n: Target(n) for n in synced.targets})
     deadline = time.monotonic() + timeout
     while not run.finished:
+        for e in events.poll():
+            if e.kind.endswith("_failed") and (e.model, e.version) == (model, run.version):
+                failures.setdefault(e.endpoint, e.message)
         status = _call(client, p.Status(), call_timeout)
         alive = {e.name for e in status.endpoints if e.alive}
         vs = next((v for v in status.versions if (v.model, v.version) == (model, run.version)), None)
         holders = {h.name: h for h in vs.holders} if vs else {}
         run.nbytes = vs.nbytes if vs else run.nbytes
-        failures = {e.endpoint: e.message for e in status.events
-                    if e.seq > since and e.kind.endswith("_failed") and (e.model, e.version) == (model, run.version)}
         for t in run.targets.values():
             h = holders.get(t.name)
             t.held_bytes = h.held_bytes if h else t.held_bytes

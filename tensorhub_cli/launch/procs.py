@@ -41,6 +41,15 @@ class ProcRecord(msgspec.Struct):
     starttime: int  # clock ticks from boot to the process's start (kernel's starttime)
     marker: str  # a string that must appear in the process's command line
     log: str
+    # A runner's endpoint name when it is not ``ROLE-NODE`` (the second runner of a
+    # role on a node: ``ROLE-NODE-1``); "" for the hub, agents and older records.
+    name: str = ""
+
+
+def endpoint_name(rec: ProcRecord) -> str:
+    """The name a recorded process goes by (at the hub, in logs): ``ROLE-NODE`` unless
+    the record names it."""
+    return rec.name or f"{rec.role}-{rec.node}"
 
 
 def start_ticks(pid: int) -> int:
@@ -118,7 +127,9 @@ def stop(rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM",
         # psutil re-checks the PID's identity before it signals: no stranger in between.
         proc.send_signal(getattr(signal, f"SIG{sig}"))
     except psutil.NoSuchProcess:
-        return "stopped"
+        return "stopped"  # it exited between the look and the signal
+    except psutil.AccessDenied:
+        return _refused(rec, sig)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _reap(rec.pid)
@@ -129,6 +140,8 @@ def stop(rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM",
         proc.kill()
     except psutil.NoSuchProcess:
         return "stopped"
+    except psutil.AccessDenied:
+        return _refused(rec, "KILL")
     deadline = time.monotonic() + kill_timeout
     while True:
         _reap(rec.pid)
@@ -137,6 +150,14 @@ def stop(rec: ProcRecord, timeout: float = STOP_TIMEOUT_S, sig: str = "TERM",
         if time.monotonic() >= deadline:
             return "would not die"
         time.sleep(0.02)
+
+
+def _refused(rec: ProcRecord, sig: str) -> str:
+    """The outcome of a signal the kernel refused: the PID changed hands between our
+    look and the signal (the process exited, a process we may not signal took it)."""
+    if not is_ours(rec):
+        return "stopped"
+    return f"unknown: SIG{sig} to {rec.role} on {rec.node} (pid {rec.pid}) was refused (permission denied)"
 
 
 def inner_pid(proc: subprocess.Popen) -> int:
@@ -155,7 +176,8 @@ def kill_child(proc: subprocess.Popen, timeout: float = CHILD_TIMEOUT_S) -> None
     """SIGKILL a child we hold (through ``nsenter`` if it is one) and reap it, waiting
     up to ``timeout`` seconds (``subprocess.TimeoutExpired`` past that)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
+        # The inner process may be gone, its PID even reused, by the time we signal.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(inner_pid(proc), signal.SIGKILL)
         proc.wait(timeout=timeout)
 
@@ -165,7 +187,7 @@ def stop_child(proc: subprocess.Popen, timeout: float = CHILD_TIMEOUT_S) -> None
     reused): SIGTERM, SIGKILL after ``timeout`` seconds, and reap it (waiting up to
     ``timeout`` again)."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(inner_pid(proc), signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)

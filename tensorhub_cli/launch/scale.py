@@ -5,16 +5,20 @@ A runner is a process of a role in the spec (``roles:``): ``runners.trainer`` fo
 names, with ``runner.args`` after ours (place, hub, heartbeat and the spec's
 ``endpoints`` read/plan timeouts: ``runners.common.add_common`` takes them all). It
 is started by the cluster's launcher (local or ssh) like an agent, recorded in
-``state.json`` (so ``th down`` stops it by PID), and named ``ROLE-NODE`` as an
-endpoint.
+``state.json`` (so ``th down`` stops it by PID), and named as an endpoint
+``ROLE-NODE``, or ``ROLE-NODE-I`` for the I-th further runner of the role on a node
+(the lowest index no recorded runner and no live endpoint uses): one name, one
+process, one log file (over ssh, one pid file).
 
 Protocol of ``scale(ROLE=COUNT | ROLE+N | ROLE-N)``:
 
 - up: pick nodes the role's ``select`` allows, whose agent is alive, with room (a
   node runs at most ``max(1, gpus)`` runners), fewest runners first, then in the order
-  ``select.nodes`` lists them; start one per node; wait until each has registered with the hub. If any fails, the ones this call
-  started are stopped again and the error shows the failed one's log tail: all or
-  nothing.
+  ``select.nodes`` lists them, a node taking a second runner once every candidate
+  has one more; wait until each has registered with the hub *under the name it was
+  started with*. If any fails (it exits, e.g. refused because its name is taken, or
+  does not register in time), the ones this call started are stopped again and the
+  error shows the failed one's log tail: all or nothing.
 - down: stop the newest runners of the role with SIGTERM and a long grace: a runner
   closes its endpoint, which unpublishes each replica with drain, and retention pulls
   a copy first where the policy needs one (contract 4), so leaving loses nothing.
@@ -43,7 +47,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
 from .cluster import endpoint_timeout_args, launcher_for
-from .procs import ProcRecord
+from .procs import ProcRecord, endpoint_name
 from .state import ClusterState, cluster_dir, read_token, write_state
 
 MODULES = {"trainer": "runners.trainer", "rollout": "runners.rollout"}
@@ -69,7 +73,7 @@ class Change:
 
 @dataclass
 class Outcome:
-    started: list[str] = field(default_factory=list)  # "role-node"
+    started: list[str] = field(default_factory=list)  # endpoint names: "role-node" or "role-node-i"
     stopped: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)  # agents that drained their copies
 
@@ -93,6 +97,10 @@ def parse_change(text: str, spec: ClusterSpec, current: dict[str, int]) -> Chang
     if target < 0:
         raise BadInput(f"{text}: {role} has {have} runner(s); cannot go below 0")
     return Change(role, target)
+
+
+def runner_name(role: str, node: str, index: int) -> str:
+    return f"{role}-{node}" if index == 0 else f"{role}-{node}-{index}"
 
 
 def _runners(state: ClusterState) -> list[ProcRecord]:
@@ -149,7 +157,7 @@ class Operator:
         gone = [r for r in _runners(self.state) if not self.launcher.alive(r)]
         for rec in gone:
             self.state.procs.remove(rec)
-            self.log(f"{rec.role:<8} {rec.node:<12} had exited (pid {rec.pid}); forgotten")
+            self.log(f"{rec.role:<8} {rec.node:<12} {endpoint_name(rec)} had exited (pid {rec.pid}); forgotten")
         if gone:
             write_state(self.state)
 
@@ -161,11 +169,11 @@ class Operator:
 
     # --- starting ----------------------------------------------------------------
 
-    def _args(self, role: str, node: PlacedNode) -> tuple[str, list[str]]:
+    def _args(self, role: str, node: PlacedNode, name: str) -> tuple[str, list[str]]:
         runner = self.spec.roles[role].runner
         module = runner.command if runner else MODULES[role]
         args = ["--hub", self.state.hub_address, "--token-file", self.launcher.token_path(node, self.token),
-                "--name", f"{role}-{node.spec.name}", "--node", node.spec.name, "--host", node.spec.address,
+                "--name", name, "--node", node.spec.name, "--host", node.spec.address,
                 "--dc", node.dc, "--rack", node.rack, "--engine", self.spec.engine,
                 "--heartbeat-s", str(self.spec.hub.heartbeat_s), *endpoint_timeout_args(self.spec)]
         if role == "rollout" and node.spec.spot:
@@ -180,17 +188,51 @@ class Operator:
         busy = {n.spec.name: sum(r.node == n.spec.name for r in _runners(self.state)) for n in nodes}
         return sorted(nodes, key=lambda n: (busy[n.spec.name], order.index(n.spec.name)))
 
+    def _place(self, role: str, count: int, alive_agents: set[str]) -> list[PlacedNode]:
+        """Up to ``count`` slots, one node per runner: each goes to the least busy
+        candidate with room left (so a node with room for two takes a second runner
+        only once every candidate has one more)."""
+        nodes = self._candidates(role, alive_agents)
+        order = self.spec.roles[role].select.nodes or [n.spec.name for n in self.spec.nodes()]
+        busy = {n.spec.name: sum(r.node == n.spec.name for r in _runners(self.state)) for n in nodes}
+        room = {n.spec.name: _room(n, self.state) for n in nodes}
+        out: list[PlacedNode] = []
+        for _ in range(count):
+            free = [n for n in nodes if room[n.spec.name] > 0]
+            if not free:
+                break
+            best = min(free, key=lambda n: (busy[n.spec.name], order.index(n.spec.name)))
+            out.append(best)
+            busy[best.spec.name] += 1
+            room[best.spec.name] -= 1
+        return out
+
+    def _free_name(self, role: str, node: str, live: set[str]) -> str:
+        """The lowest-index name of ``role`` on ``node`` that no recorded process and
+        no live endpoint at the hub uses: two processes under one name would have the
+        second refused (``conflict``), and scale would take the first for it."""
+        taken = {endpoint_name(r) for r in self.state.procs} | live
+        index = 0
+        while runner_name(role, node, index) in taken:
+            index += 1
+        return runner_name(role, node, index)
+
     def start(self, role: str, nodes: list[PlacedNode]) -> list[ProcRecord]:
-        """Start one runner per node and wait for each to register; all or nothing."""
+        """Start one runner per entry of ``nodes`` (a node may appear more than once),
+        each under a free name, and wait for each to register; all or nothing."""
         started: list[ProcRecord] = []
         try:
+            live = {e.name for e in self.status().endpoints if e.alive}
             for node in nodes:
-                module, args = self._args(role, node)
-                rec = self.launcher.start(node, role, module, args)
+                name = self._free_name(role, node.spec.name, live)
+                module, args = self._args(role, node, name)
+                rec = self.launcher.start(node, role, module, args, name=name)
+                if name != f"{role}-{node.spec.name}":
+                    rec.name = name
                 started.append(rec)
                 self.state.procs.append(rec)
                 write_state(self.state)
-                self.log(f"{role:<8} {node.spec.name:<12} started (pid {rec.pid})")
+                self.log(f"{role:<8} {node.spec.name:<12} started {name} (pid {rec.pid})")
             self._await_registered(started)
         except BaseException:
             for rec in started:
@@ -200,8 +242,39 @@ class Operator:
             raise
         return started
 
+    def restart(self, recs: list[ProcRecord]) -> list[tuple[ProcRecord, ProcRecord]]:
+        """Start each recorded runner in ``recs`` (dead ones) again, on its node under its
+        name, replacing its record, and wait until each registered: (old, new) pairs.
+        All or nothing: on a failure the new ones are stopped and the old records put
+        back (a later `th up` retries them)."""
+        names = {endpoint_name(r) for r in recs}
+        deadline = time.monotonic() + 2 * self.state.expiry_s + 1.0
+        while names & {e.name for e in self.status().endpoints if e.alive}:  # the dead not expired yet
+            if time.monotonic() > deadline:
+                held = sorted(names & {e.name for e in self.status().endpoints if e.alive})
+                raise ScaleError(f"{', '.join(held)}: still held by a live endpoint at the hub; not restarted")
+            time.sleep(0.1)
+        pairs: list[tuple[ProcRecord, ProcRecord]] = []
+        try:
+            for old in recs:
+                node = self.spec.node(old.node)
+                module, args = self._args(old.role, node, endpoint_name(old))
+                new = self.launcher.start(node, old.role, module, args, name=endpoint_name(old))
+                new.name = old.name
+                self.state.procs[self.state.procs.index(old)] = new
+                pairs.append((old, new))
+                write_state(self.state)
+            self._await_registered([new for _, new in pairs])
+        except BaseException:
+            for old, new in pairs:
+                self.launcher.stop(new, timeout=self.rollback_timeout)
+                self.state.procs[self.state.procs.index(new)] = old
+            write_state(self.state)
+            raise
+        return pairs
+
     def _await_registered(self, recs: list[ProcRecord]) -> None:
-        want = {f"{r.role}-{r.node}": r for r in recs}
+        want = {endpoint_name(r): r for r in recs}
         deadline = time.monotonic() + self.register_timeout
         while want:
             seen = {e.name for e in self.status().endpoints if e.alive}
@@ -223,7 +296,7 @@ class Operator:
             endpoints = self.status().endpoints
         except ScaleError:
             return self.drain_timeout
-        held = next((e.replicas for e in endpoints if e.name == f"{rec.role}-{rec.node}"), 0)
+        held = next((e.replicas for e in endpoints if e.name == endpoint_name(rec)), 0)
         return self.drain_timeout * max(1, held)
 
     def stop(self, recs: list[ProcRecord], sig: str = "TERM") -> list[str]:
@@ -234,8 +307,8 @@ class Operator:
                 raise ScaleError(f"{rec.role} on {rec.node}: {how}; it stays recorded")
             self.state.procs.remove(rec)
             write_state(self.state)
-            self.log(f"{rec.role:<8} {rec.node:<12} {how}")
-            out.append(f"{rec.role}-{rec.node}")
+            self.log(f"{rec.role:<8} {rec.node:<12} {endpoint_name(rec)} {how}")
+            out.append(endpoint_name(rec))
         return out
 
     # --- the two commands --------------------------------------------------------------
@@ -247,11 +320,11 @@ class Operator:
         outcome = Outcome()
         if change.target > len(mine):
             alive = {e.node for e in self.status().endpoints if e.kind == "agent" and e.alive}
-            nodes = self._candidates(change.role, alive)[:change.target - len(mine)]
+            nodes = self._place(change.role, change.target - len(mine), alive)
             if len(nodes) < change.target - len(mine):
-                raise ScaleError(f"{change.role}: {change.target - len(mine)} more wanted, {len(nodes)} node(s) "
-                                 "have room (select, live agent, at most max(1, gpus) runners each); nothing started")
-            outcome.started = [f"{r.role}-{r.node}" for r in self.start(change.role, nodes)]
+                raise ScaleError(f"{change.role}: {change.target - len(mine)} more wanted, room for {len(nodes)} "
+                                 "(select, live agent, at most max(1, gpus) runners per node); nothing started")
+            outcome.started = [endpoint_name(r) for r in self.start(change.role, nodes)]
         elif change.target < len(mine):
             outcome.stopped = self.stop(mine[change.target:][::-1])
         self.note("scaled", f"{change.role}: {len(mine)} -> {change.target}; started {outcome.started or '-'}, "
@@ -291,7 +364,7 @@ class Operator:
             self.stop([agent], sig="USR1")
             outcome.drained = [f"agent-{node}"]
         for role, target in plan:
-            outcome.started += [f"{r.role}-{r.node}" for r in self.start(role, [target])]
+            outcome.started += [endpoint_name(r) for r in self.start(role, [target])]
         self.note("failed_over", f"{node}: stopped {outcome.stopped or '-'}, drained {outcome.drained or '-'}, "
                                  f"started {outcome.started or '-'}", endpoint=f"agent-{node}")
         return outcome

@@ -6,7 +6,8 @@ checked against ``known_hosts`` by default; an unknown or changed key is an erro
 that says how to accept it on purpose. Every remote command runs with a timeout.
 
 On each node everything lives in ``~/.tensorhub/<cluster>/nodes/<node>/`` (relative
-to the remote login's home): the token (0600), ``<role>.log`` and ``<role>.pid``. A
+to the remote login's home): the token (0600), ``<role>.log`` and ``<role>.pid``
+(a second runner of a role on the node: ``<role>-<node>-<i>.log``/``.pid``). A
 start runs the node's bootstrap prefix and detaches the process with ``setsid`` in a
 subshell whose stdio is redirected, so the SSH channel closes at once (a backgrounded
 list that keeps the channel's stdout would hold it open for the process's life). A
@@ -180,7 +181,9 @@ def _ssh_config(address: str) -> dict:
 
 
 def start_command(directory: str, role: str, argv: list[str], prefix: str | None) -> str:
-    """The remote shell line that detaches ``argv`` and prints its PID and start time.
+    """The remote shell line that detaches ``argv`` and prints its PID and start time;
+    ``role`` names its ``.log`` and ``.pid`` files (a runner's own name when a node
+    runs more than one of its role).
 
     ``exec setsid`` inside a background subshell keeps the PID ``$!`` names: that
     subshell is not a process-group leader, so setsid needs no fork."""
@@ -189,7 +192,8 @@ def start_command(directory: str, role: str, argv: list[str], prefix: str | None
     body = f"{prefix} exec setsid {cmd}" if prefix else f"exec setsid {cmd}"
     # `;` and `||`, not `&&`, before the `&`: `a && (b) &` would background the whole
     # list, and that list's subshell would hold the channel's stdout.
-    return (f"mkdir -p {d} || exit 1; cd {d} || exit 1; ( {body} ) < /dev/null > {role}.log 2>&1 & "
+    # `>>`: a restarted process (`th up` on a running cluster) keeps its predecessor's log.
+    return (f"mkdir -p {d} || exit 1; cd {d} || exit 1; ( {body} ) < /dev/null >> {role}.log 2>&1 & "
             f"pid=$!; echo $pid > {role}.pid; echo $pid; cat /proc/$pid/stat")
 
 
@@ -253,20 +257,23 @@ class SshLauncher:
             raise SshError(f"{node.name}: could not write the token: {err.strip()}")
         return f"{d}/token"
 
-    def start(self, node: PlacedNode, role: str, module: str, args: list[str]) -> ProcRecord:
+    def start(self, node: PlacedNode, role: str, module: str, args: list[str], name: str | None = None) -> ProcRecord:
+        """``name``: a runner's endpoint name; one other than ``ROLE-NODE`` (a second
+        runner of the role on the node) gets its own ``NAME.log`` and ``NAME.pid``."""
         python, prefix = self._python(node)
         d = self.node_dir(node.name)
+        stem = role if name in (None, f"{role}-{node.name}") else name
         try:
-            rc, out, err = self.session(node.name).run(start_command(d, role, [python, "-m", module, *args], prefix))
+            rc, out, err = self.session(node.name).run(start_command(d, stem, [python, "-m", module, *args], prefix))
         except SshError:
-            self._kill_unrecorded(node.name, f"{d}/{role}.pid", module)
+            self._kill_unrecorded(node.name, f"{d}/{stem}.pid", module)
             raise
         lines = out.split("\n")
         if rc != 0 or len(lines) < 2 or not lines[0].strip().isdigit():
             raise SshError(f"{node.name}: could not start {role} ({rc}): {(err or out).strip()[-400:]}")
         pid, stat = int(lines[0]), lines[1]
         return ProcRecord(role=role, node=node.name, pid=pid, starttime=int(stat_fields(stat)[19]), marker=module,
-                          log=f"{d}/{role}.log")
+                          log=f"{d}/{stem}.log")
 
     def _kill_unrecorded(self, node_name: str, pid_file: str, marker: str,
                          timeout: float = UNRECORDED_KILL_TIMEOUT_S) -> None:

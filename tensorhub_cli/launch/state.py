@@ -29,6 +29,10 @@ class ClusterState(msgspec.Struct):
     procs: list[ProcRecord] = []
 
 
+class StateError(RuntimeError):
+    """``state.json`` cannot be read; the message names the file and what to do."""
+
+
 def th_home() -> Path:
     return Path(os.environ.get("TH_HOME") or Path.home() / ".tensorhub").expanduser()
 
@@ -52,8 +56,9 @@ def read_state(name: str) -> ClusterState | None:
         return msgspec.json.decode(path.read_bytes(), type=ClusterState)
     except FileNotFoundError:
         return None
-    except (OSError, msgspec.DecodeError) as exc:
-        raise RuntimeError(f"{path}: unreadable cluster state ({exc}); remove it after checking no process runs") from None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise StateError(f"{path}: unreadable cluster state ({exc}); remove it after checking that no process "
+                         "of the cluster runs") from None
 
 
 def clear_state(name: str) -> None:

@@ -170,3 +170,103 @@ def test_down_never_signals_a_reused_pid(th_home):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _wait(what: str, check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_up_on_a_running_cluster_restarts_only_what_died(cluster, th_home, local_spec, tmp_path):
+    """kill -9 the hub: `th up` starts a new one (TIME_WAIT does not block its port),
+    leaves the agents (same PIDs), and the version an agent held is READY again (it
+    re-registered with its holdings). Kill an agent: `th up` restarts only it. A
+    changed spec is refused by field, changing nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    name, procs = cluster
+    ckpt = tmp_path / "ckpt.safetensors"
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(ckpt))
+    th("publish", "policy", "--from", str(ckpt), "--node", "node2", "-c", name, check=True)
+    hub = next(r for r in procs if r.role == "hub")
+    os.kill(hub.pid, signal.SIGKILL)
+    _wait("the hub to die", lambda: not is_ours(hub))
+
+    again = th("up", str(local_spec), check=True)
+    assert "restarted hub@node1 (pid" in again.stdout and "left      agent@node1 (pid" in again.stdout, again.stdout
+    now = recorded(th_home, name)
+    new_hub = next(r for r in now if r.role == "hub")
+    assert new_hub.pid != hub.pid and is_ours(new_hub)
+    assert [(r.role, r.node, r.pid) for r in now if r.role == "agent"] == [
+        (r.role, r.node, r.pid) for r in procs if r.role == "agent"]  # the agents kept their PIDs
+
+    def ready():
+        listed = json.loads(th("versions", "policy", "-c", name, "--json").stdout or "[]")
+        return listed and listed[0]["state"] == "READY" and any(
+            h["name"] == "agent-node2" and h["complete"] for h in listed[0]["holders"])
+    _wait("policy@1 READY again from agent-node2's retained copy", ready)
+
+    victim = next(r for r in now if r.role == "agent" and r.node == "node3")
+    os.kill(victim.pid, signal.SIGKILL)
+    _wait("node3's agent to die", lambda: not is_ours(victim))
+    again = th("up", str(local_spec), check=True)
+    assert "restarted agent@node3 (pid" in again.stdout and "left      hub@node1 (pid" in again.stdout, again.stdout
+    assert "restarted hub" not in again.stdout
+    after = recorded(th_home, name)
+    changed = [(a.role, a.node) for a, b in zip(now, after) if a.pid != b.pid]
+    assert changed == [("agent", "node3")] and all(is_ours(r) for r in after)
+    assert agents_alive(status_json(name)) == {"node1": True, "node2": True, "node3": True}
+
+    doc = yaml.safe_load(local_spec.read_text())
+    doc["hub"]["expiry_s"] = 2.0
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(doc, sort_keys=False))
+    refused = th("up", str(other))
+    assert refused.returncode == 2 and "changed hub.expiry_s" in refused.stderr, refused.stderr
+    assert recorded(th_home, name) == after
+    procs[:] = after  # the fixture's clean-up kills what runs now
+
+
+def test_scale_starts_two_runners_of_a_role_on_a_node_with_two_gpus(th_home, local_spec):
+    """Both register under their own names (no `conflict`, no runner taken for
+    another), each with its own log; scaling down stops them by name."""
+    doc = yaml.safe_load(local_spec.read_text())
+    name = doc["name"]
+    doc["topology"]["datacenters"][0]["racks"][0]["nodes"][1]["gpus"] = 2
+    doc["roles"]["rollout"]["select"] = {"nodes": ["node2"]}
+    doc["roles"]["rollout"]["runner"] = {"command": "runners.rollout", "args": [
+        "--hidden", "64", "--layers", "2", "--vocab", "512", "--arch", "torch", "--wait-s", "120"]}
+    local_spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    th("up", str(local_spec), check=True)
+    try:
+        up = json.loads(th("scale", "rollout=2", "-c", name, "--json", timeout=200, check=True).stdout)
+        assert up["started"] == ["rollout-node2", "rollout-node2-1"]
+        doc = status_json(name)
+        alive = {e["name"] for e in doc["status"]["endpoints"] if e["alive"]}
+        assert {"rollout-node2", "rollout-node2-1"} <= alive
+        runners = [p for p in doc["processes"] if p["role"] == "rollout"]
+        assert [p["name"] for p in runners] == ["rollout-node2", "rollout-node2-1"]
+        assert all(p["running"] for p in runners)
+        assert len({p["log"] for p in runners}) == 2
+
+        # A runner that died is restarted by `th up`, under its name, on its node; the rest is left.
+        second = next(r for r in recorded(th_home, name) if r.name == "rollout-node2-1")
+        os.kill(second.pid, signal.SIGKILL)
+        _wait("the runner to die", lambda: not is_ours(second))
+        again = th("up", str(local_spec), timeout=200, check=True)
+        assert "restarted rollout-node2-1@node2 (pid" in again.stdout, again.stdout
+        assert "left      rollout-node2@node2" in again.stdout
+        assert "restarted hub" not in again.stdout and "restarted agent" not in again.stdout, again.stdout
+        back = next(r for r in recorded(th_home, name) if r.name == "rollout-node2-1")
+        assert back.pid != second.pid and is_ours(back) and back.log == second.log
+        assert "rollout-node2-1" in {e["name"] for e in status_json(name)["status"]["endpoints"] if e["alive"]}
+        down = json.loads(th("scale", "rollout=0", "-c", name, "--json", timeout=200, check=True).stdout)
+        assert down["stopped"] == ["rollout-node2-1", "rollout-node2"]
+    finally:
+        th("down", "-c", name, timeout=200)

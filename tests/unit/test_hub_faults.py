@@ -143,3 +143,52 @@ def test_a_large_moe_manifest_fits_a_frame():
     finally:
         service._sock.close(0)
         service._ctx.term()
+
+
+def test_a_refused_duplicate_does_not_take_the_push_route():
+    """C5, hub half: a Register refused ``conflict`` left its socket as the live
+    endpoint's push route, so retention and sync commands went to the impostor."""
+    hub = new_hub()
+    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=lambda: 0.0)
+    try:
+        def register(ident, pid):
+            frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=1,
+                                       op=p.Register(info=info("a", pid=pid))))
+            [(_, reply)] = service.handle(ident, [frame])
+            return p.decode_reply(reply).body
+
+        assert isinstance(register(b"live", 1), p.Ok)
+        refused = register(b"impostor", 2)
+        assert isinstance(refused, p.Error) and refused.code == "conflict"
+        assert service.idents["a"] == b"live"
+        assert hub.status(0.0).endpoints[0].pid == 1
+    finally:
+        service._sock.close(0)
+        service._ctx.term()
+
+
+def test_a_replaced_process_cannot_deregister_its_successor():
+    hub = new_hub()
+    reg(hub, 0, info("r", pid=1))
+    hub.endpoints["r"].info.incarnation = "r-1"
+    hub.expire(10.0)
+    new = info("r", pid=2)
+    new.incarnation = "r-2"
+    hub.register(10.0, p.Register(info=new))
+    with pytest.raises(HubFault) as exc:
+        hub.deregister(10.0, p.Deregister(name="r", incarnation="r-1"))
+    assert exc.value.code == "fenced" and "r" in hub.endpoints
+
+
+def test_a_failure_report_alone_makes_no_replica():
+    """After a reader let its partial replica go, a late failure report (a zombie that
+    just stopped) must not leave a ghost replica behind."""
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("r", node="n2"))
+    hub.publish(0, p.Publish(name="t", model="m", version=1, manifest=manifest(2)))
+    read = hub.plan(0, p.Plan(name="r", model="m", version=1, window=1)).reads[0]
+    hub.cancel(0, p.Cancel(name="r", model="m", version=1))
+    hub.unpublish(0, p.Unpublish(name="r", model="m", version=1))
+    assert "r" not in hub.models["m"][1].replicas
+    hub.progress(0, p.Progress(name="r", model="m", version=1, chunks=[], failed=[read]))
+    assert "r" not in hub.models["m"][1].replicas

@@ -116,6 +116,8 @@ class Hub:
         self.timeouts.append(timeout)
         if isinstance(op, p.Sync):
             return p.Synced(version=1, targets=["rollout-node2"])
+        if isinstance(op, p.Events):
+            return p.EventsReply(events=[])
         return p.StatusReply(cluster="x", uptime_s=1.0, counters={}, events=[],
                              endpoints=[p.EndpointStatus(name="rollout-node2", node="node2", role="rollout",
                                                          kind="runner", alive=True, heartbeat_age_s=0.0, replicas=0)],

@@ -1,0 +1,68 @@
+"""The endpoint's service thread (endpoint.service) with a fake hub client: its socket
+is never used by two threads, nor closed under the thread still using it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from tensorhub_cli.endpoint.service import Service
+from tensorhub_cli.hub import protocol as p
+
+
+class SlowClient:
+    """Heartbeats take ``beat_s``; records any call or close that overlaps another."""
+
+    def __init__(self, beat_s: float):
+        self.beat_s = beat_s
+        self.busy = threading.Lock()
+        self.overlaps: list[str] = []
+        self.closed = threading.Event()
+        self.pushed: list = []
+        self.beating = threading.Event()
+
+    def _enter(self, what: str) -> None:
+        if not self.busy.acquire(blocking=False):
+            self.overlaps.append(what)
+            self.busy.acquire()
+
+    def call(self, op, timeout: float = 5.0):
+        self._enter(type(op).__name__)
+        try:
+            if self.closed.is_set():
+                self.overlaps.append(f"{type(op).__name__} after close")
+            if isinstance(op, p.Heartbeat):
+                self.beating.set()
+                time.sleep(self.beat_s)
+            return p.Ok()
+        finally:
+            self.busy.release()
+
+    def poll_pushed(self, timeout: float) -> None:
+        time.sleep(timeout)
+
+    def close(self) -> None:
+        self._enter("close")
+        self.closed.set()
+        self.busy.release()
+
+
+def fake_endpoint() -> SimpleNamespace:
+    return SimpleNamespace(name="e", incarnation="i1", info=p.EndpointInfo(name="e", node="n", incarnation="i1"),
+                           holdings=lambda: [], holds_memory=lambda: False,
+                           engine=SimpleNamespace(needs_progress=False), peer=SimpleNamespace(last_ask=0.0),
+                           _reap=lambda call: None)
+
+
+def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():
+    client = SlowClient(beat_s=1.0)
+    service = Service(fake_endpoint(), client, heartbeat_s=0.05, handler=lambda ep, cmd: None)
+    service.start()
+    assert service.registered.wait(5)
+    assert client.beating.wait(5)  # the thread is inside a slow heartbeat now
+    service.stop(join_timeout=0.1, deregister_timeout=0.1)
+    assert client.closed.wait(5), "the socket was never closed"
+    assert not client.overlaps, client.overlaps
+    service._thread.join(5)
+    assert not service._thread.is_alive()
