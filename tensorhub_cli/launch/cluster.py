@@ -42,7 +42,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, SpecError, load, resolve_path
 from ..spec.diff import changed_fields
-from .local import LocalLauncher
+from .launchers import UpError, endpoint_timeout_args, launcher_for
 from .procs import STOP_TIMEOUT_S, endpoint_name
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
 
@@ -50,10 +50,6 @@ from .state import ClusterState, clear_state, cluster_dir, read_state, read_toke
 AGENTS_REGISTER_TIMEOUT_S = 30.0  # default: every agent registered with the hub within this
 STATUS_CALL_TIMEOUT_S = 1.0  # default: one status request while waiting for registrations
 PROBE_CONNECT_TIMEOUT_S = 3.0  # default cap on an ssh connect when only asking "still running?"
-
-
-class UpError(Exception):
-    pass
 
 
 class AlreadyRunning(Exception):
@@ -73,24 +69,6 @@ class Reconciled:
     state: ClusterState
     restarted: list[str] = field(default_factory=list)  # "role@node (pid N)"
     left: list[str] = field(default_factory=list)
-
-
-def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_timeout: float | None = None):
-    """``spec`` may be None when only stopping recorded processes."""
-    if kind == "local":
-        return LocalLauncher(spec, state_dir)
-    if kind == "ssh":
-        from .ssh import SshLauncher
-
-        return SshLauncher(spec or load(state_dir / "spec.yaml"), state_dir, connect_timeout)
-    raise UpError(f"launcher {kind!r} is unknown (known: local, ssh)")
-
-
-def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:
-    """The spec's ``endpoints`` limits as the flags agents and runners take."""
-    e = spec.endpoints
-    return ["--read-timeout-s", str(e.read_timeout_s), "--plan-timeout-s", str(e.plan_timeout_s),
-            "--drain-timeout-s", str(e.drain_timeout_s)]
 
 
 def _token(spec: ClusterSpec, spec_path: Path) -> str | None:

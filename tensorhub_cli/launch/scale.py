@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
-from .cluster import endpoint_timeout_args, launcher_for
+from .launchers import endpoint_timeout_args, launcher_for
 from .procs import ProcRecord, endpoint_name
 from .state import ClusterState, cluster_dir, read_token, write_state
 

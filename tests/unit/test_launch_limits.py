@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tensorhub_cli.hub import protocol as p
-from tensorhub_cli.launch import cluster, operate, scale
+from tensorhub_cli.launch import cluster, launchers, operate, scale
 from tensorhub_cli.launch.procs import ProcRecord
 from tensorhub_cli.launch.state import ClusterState, cluster_dir, write_token
 
@@ -139,10 +139,10 @@ def test_endpoint_processes_get_the_specs_endpoint_limits(tmp_path):
     doc["endpoints"] = {"read_timeout_s": 12.0, "plan_timeout_s": 2.5, "drain_timeout_s": 40.0}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
     spec = load(tmp_path / "s.yaml")
-    assert cluster.endpoint_timeout_args(spec) == [
+    assert launchers.endpoint_timeout_args(spec) == [
         "--read-timeout-s", "12.0", "--plan-timeout-s", "2.5", "--drain-timeout-s", "40.0"]
     for module in ("tensorhub_cli.agent", "runners.rollout", "runners.trainer"):
         usage = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
                                cwd=REPO).stdout
-        assert all(flag in usage for flag in cluster.endpoint_timeout_args(spec)[::2]), module
+        assert all(flag in usage for flag in launchers.endpoint_timeout_args(spec)[::2]), module
 

@@ -1,0 +1,36 @@
+"""Which launcher runs a cluster's processes, and the flags every endpoint process gets.
+
+``launcher_for(kind, spec, state_dir)`` returns the local or the ssh launcher (both:
+start, alive, stop, logs by ``ProcRecord``); ``endpoint_timeout_args(spec)`` turns the
+spec's ``endpoints`` limits into the flags agents and runners take. Both ``cluster``
+(up, down, reconcile) and ``scale`` use them, so they live below both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..spec import ClusterSpec, load
+from .local import LocalLauncher
+
+
+class UpError(Exception):
+    pass
+
+
+def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_timeout: float | None = None):
+    """``spec`` may be None when only stopping recorded processes."""
+    if kind == "local":
+        return LocalLauncher(spec, state_dir)
+    if kind == "ssh":
+        from .ssh import SshLauncher
+
+        return SshLauncher(spec or load(state_dir / "spec.yaml"), state_dir, connect_timeout)
+    raise UpError(f"launcher {kind!r} is unknown (known: local, ssh)")
+
+
+def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:
+    """The spec's ``endpoints`` limits as the flags agents and runners take."""
+    e = spec.endpoints
+    return ["--read-timeout-s", str(e.read_timeout_s), "--plan-timeout-s", str(e.plan_timeout_s),
+            "--drain-timeout-s", str(e.drain_timeout_s)]
