@@ -1,6 +1,7 @@
 """What the agent does on the hub's commands: the handler its endpoint runs.
 
-Protocol (one command at a time, on the endpoint's command worker; each outcome but
+Protocol (on the endpoint's command workers: ``retain`` and ``release`` one at a time
+on one, ``fetch`` and ``load`` one at a time on the other; each outcome but
 ``release``'s goes back to the hub as a ``Report``):
 
 - ``retain``: fetch ``model@version`` into freshly allocated host memory and hold it,

@@ -2,16 +2,17 @@
 
 Protocol. The hub pushes ``Command``s: ``fetch`` (``th sync``) to any endpoint;
 ``retain``, ``load`` and ``release`` to agents only. The endpoint's service thread
-queues them, and one worker thread calls the endpoint's handler,
-``handler(ep, cmd)``, with each in turn (``Endpoint(..., on_command=handler)``; given
-at construction because the hub may push a command the moment we register). In it
-the handler may:
+queues them, and two worker threads call the endpoint's handler,
+``handler(ep, cmd)``: one with each ``retain`` and ``release`` in turn, the other with
+each other command in turn (``Endpoint(..., on_command=handler)``; given at
+construction because the hub may push a command the moment we register). So a handler
+may run on both at once, and must be safe to. In it the handler may:
 
 - call any of ``ep``'s methods but ``close`` (``fetch``, ``publish``, ``unpublish``,
   ``release``, ``report``): it is one more thread using the endpoint, beside the
   caller's own;
 - take as long as it needs: heartbeats go on on the service thread, but the next
-  command waits for this one;
+  command of its worker waits for this one (a retention pull never waits for a fetch);
 - report the outcome with ``ep.report`` (``carry_out`` does it): the hub's event log
   is how ``th sync`` learns it. An exception it raises is logged and dropped.
 

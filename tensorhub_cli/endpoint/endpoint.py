@@ -2,15 +2,21 @@
 
 Protocol (per method, what the caller may do once it returns):
 
-- ``publish(model, version, state_dict, shard=(rank, world))``: the tensors are
-  registered where they lie and the hub has the manifest. From here on the caller must
-  not change those tensors until ``unpublish`` of that version has returned
-  (contract 3). Small tensors were copied into a staging buffer; the big ones not.
+- ``publish(model, version, state_dict, shard=(rank, world), timeout=10)``: the
+  tensors are registered where they lie and the hub has the manifest. From here on the
+  caller must not change those tensors until ``unpublish`` of that version has returned
+  (contract 3). Small tensors were copied into a staging buffer; the big ones not. When
+  the hub does not answer within ``timeout`` the publish may still reach it, so the
+  endpoint withdraws it (an unpublish with drain, again within ``timeout``) and raises
+  ``EndpointError``: saying "withdrawn", the tensors are the caller's again; else they
+  stay registered as published until the caller's ``unpublish`` returns.
 - ``fetch(model, version|"latest", into=state_dict, group=..., timeout=...)`` → the
   version number. On return every chunk is verified and in ``into``, and this endpoint
   is a complete holder of that version: ``into`` is now published memory, under the
   same rule. Fetching a newer version into the same tensors first unpublishes (drains)
-  the one they hold. On ``FetchError`` (or ``LayoutError`` before any byte moved) the
+  the one they hold. A fetch of a version another thread of this endpoint is still
+  fetching waits for that one (within ``timeout``) and then goes on from its outcome.
+  On ``FetchError`` (or ``LayoutError`` before any byte moved) the
   endpoint holds no replica in ``into``; its contents are undefined after a started
   fetch, and it never counts as a replica.
 - ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
@@ -34,12 +40,16 @@ read before it is re-planned), ``plan_timeout_s`` (5.0; one plan round trip),
 ``drain_timeout_s`` (120.0; what a leaving agent grants each replica on failover),
 ``call_timeout_s`` (5.0; any other hub or peer round trip: versions, reports, the
 cleanup of a failed fetch, asking a holder where its chunks are), ``connect_timeout``
-(10.0; registration).
+(10.0; registration), ``peer_idle_s`` (300.0; our peer server closes a reader's
+connection idle this long), ``conn_idle_s`` (60.0; our tcp engine reuses a pooled
+connection to a holder idle at most this long: keep it below the holders'
+``peer_idle_s``).
 
-Threads: the caller's (publish, fetch, unpublish: one hub socket), the service thread
-(register, heartbeat, engine progress: its own socket), the command worker (the
-handler), the peer server (``peer``), the verifier pool and the tcp engine's read
-pool. Replica records are shared under locks.
+Threads: the caller's (publish, fetch, unpublish), the service thread (register,
+heartbeat, engine progress), the command workers (the handler), the peer server
+(``peer``), the verifier pool and the tcp engine's read pool. Every thread that calls
+the hub has a hub socket of its own, so an unpublish waiting for its drain holds up no
+other thread's call. Replica records are shared under locks.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ import msgspec
 from ..engines import wire
 from ..engines.base import Engine
 from ..engines.serve import Regions
+from ..engines.tcp import IDLE_S as TCP_IDLE_S
 from ..engines.tcp import TcpEngine
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
@@ -63,6 +74,7 @@ from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, place, verify
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .fetch import Fetch, FetchError
+from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .replica import Held
 from .service import Service
@@ -70,10 +82,11 @@ from .service import Service
 log = logging.getLogger("tensorhub.endpoint")
 
 
-def make_engine(kind: str, name: str, token: str, host: str) -> tuple[Engine, TcpEngine]:
+def make_engine(kind: str, name: str, token: str, host: str,
+                conn_idle_s: float = TCP_IDLE_S) -> tuple[Engine, TcpEngine]:
     """Our engine, and the tcp engine every endpoint also has (to read holders whose
     engine differs from ours); NIXL falls back to tcp, loudly, when it cannot load."""
-    tcp = TcpEngine(token, source=host)
+    tcp = TcpEngine(token, source=host, idle_s=conn_idle_s)
     if kind == "tcp":
         return tcp, tcp
     if kind != "nixl":
@@ -92,7 +105,8 @@ class Endpoint:
                  engine: str = "nixl", heartbeat_s: float = 1.0, read_timeout_s: float = 30.0,
                  plan_timeout_s: float = 5.0, drain_timeout_s: float = 120.0, call_timeout_s: float = 5.0,
                  connect_timeout: float = 10.0, on_command: Optional[CommandHandler] = None,
-                 chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES,
+                 peer_idle_s: float = PEER_IDLE_S, conn_idle_s: float = TCP_IDLE_S):
         self.name = info.name
         self.host = host
         self._token = token
@@ -103,7 +117,7 @@ class Endpoint:
         self.drain_timeout_s = drain_timeout_s
         self.call_timeout_s = call_timeout_s
         self.served = Regions()
-        self.engine, self.tcp = make_engine(engine, info.name, token, host)
+        self.engine, self.tcp = make_engine(engine, info.name, token, host, conn_idle_s)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
         self._zombies: list = []  # inflight.Zombie: transfers that could not be released yet
@@ -111,15 +125,21 @@ class Endpoint:
         self._stopped: dict[tuple[str, int], int] = {}  # zombies of a failed fetch confirmed stopped, per version
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
-        self.peer = PeerServer(host, token, self._describe, self.served)
+        self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s)
         # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
         # our pins and pending unpublish at the hub; a newer process under our name
         # fences this one (contract 3).
         self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode(),
                                             incarnation=uuid.uuid4().hex)
         self.incarnation = self.info.incarnation
-        self._rpc = HubClient(hub, token, source=host)
-        self._rpc_lock = threading.Lock()
+        self._hub = hub
+        # One hub socket per calling thread, used only by it: a thread waiting for a
+        # deferred reply (an unpublish's drain, minutes) holds up no other thread's
+        # calls, and one thread's requests reach the hub in the order it sent them (a
+        # publish that timed out is still ahead of the unpublish that withdraws it).
+        self._local = threading.local()
+        self._rpcs: list[tuple[threading.Thread, HubClient]] = []
+        self._rpcs_lock = threading.Lock()
         self.last_fetch: dict = {}
         self.sync_into: dict[str, dict | Callable[[list[p.Manifest]], dict]] = {}
         self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s, on_command or SyncCommands())
@@ -140,12 +160,31 @@ class Endpoint:
         self._check_open()
         if self.service.fenced:
             raise HubError(p.Error(code="fenced", message=self.service.fenced))
-        with self._rpc_lock:  # the caller's thread and the command worker share this socket
-            return self._rpc.call(op, timeout=timeout)
+        return self._rpc().call(op, timeout=timeout)
+
+    def _rpc(self) -> HubClient:
+        """This thread's hub socket (made on its first call). Sockets of threads that
+        ended are closed here: no thread uses them any more."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = HubClient(self._hub, self._token, source=self.host)
+            with self._rpcs_lock:
+                for thread, old in self._rpcs:
+                    if not thread.is_alive():
+                        old.close()
+                self._rpcs = [(t, c) for t, c in self._rpcs if t.is_alive()]
+                self._rpcs.append((threading.current_thread(), client))
+            self._local.client = client
+        return client
+
+    def _held(self) -> list[Held]:
+        """The replicas now (the fetch loop, the command workers and the caller change them)."""
+        with self._lock:
+            return list(self._replicas.values())
 
     def _await_registered(self, timeout: float) -> None:
         if not self.service.registered.wait(timeout):
-            raise EndpointError(f"{self.name}: hub at {self._rpc.address} did not accept our registration "
+            raise EndpointError(f"{self.name}: hub at {self._hub} did not accept our registration "
                                 f"within {timeout:.0f}s ({self.service.last_error or 'no answer'})")
 
     def holdings(self) -> list[p.Holding]:
@@ -163,6 +202,9 @@ class Endpoint:
 
     def _add(self, held: Held) -> None:
         with self._lock:
+            if held.key in self._replicas:  # two threads registering one version (a retain and a sync)
+                self.engine.deregister(held.handle)
+                raise EndpointError(f"{self.name} already holds {held.model}@{held.version}")
             self._replicas[held.key] = held
         self.served.add(id(held), held.placed.regions, owner=held.placed)
 
@@ -184,7 +226,7 @@ class Endpoint:
                 *, chunk_bytes: Optional[int] = None, timeout: float = 10.0) -> p.Manifest:
         self._check_open()
         manifest, placed = lay_out(state_dict, chunk_bytes or self.chunk_bytes, self.small_bytes)
-        busy = [h for h in self._replicas.values() if h.overlaps(placed.regions)]
+        busy = [h for h in self._held() if h.overlaps(placed.regions)]
         if busy:
             raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                                 "unpublish that version before publishing its memory again")
@@ -194,10 +236,41 @@ class Endpoint:
         try:
             self._call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
                                  rank=rank, world=world, incarnation=self.incarnation), timeout=timeout)
-        except BaseException:
+        except (HubError, EndpointError):  # refused, or never sent: the hub holds nothing of it
             self._drop(held)
             raise
+        except HubUnreachable as exc:
+            self._withdraw(held, timeout, exc)
+        except BaseException:  # (an interrupt): the publish may be on its way, so the memory stays ours to serve
+            log.warning("%s: publish of %s@%s interrupted; its tensors stay registered until unpublish (or close)",
+                        self.name, model, version)
+            raise
         return manifest
+
+    # Answers to an unpublish after which the hub holds no reference to the replica.
+    _GONE = frozenset({"not_found", "unknown_endpoint", "expired", "fenced"})
+
+    def _withdraw(self, held: Held, timeout: float, cause: BaseException) -> None:
+        """A publish whose reply did not come may still reach the hub (it is queued on
+        this thread's socket), which would then route readers to our memory. Unpublish it
+        there, on the same socket (so after the publish), within ``timeout``; the memory
+        is let go only once the hub answered, else it stays registered and published.
+        Always raises ``EndpointError``."""
+        what = f"{self.name}: publish of {held.model}@{held.version} not acknowledged within {timeout:g}s ({cause})"
+        try:
+            self._call(p.Unpublish(name=self.name, model=held.model, version=held.version,
+                                   incarnation=self.incarnation), timeout=timeout)
+        except HubError as exc:
+            if exc.code not in self._GONE:
+                raise EndpointError(f"{what}; its withdrawal failed ({exc}): the tensors stay registered as "
+                                    f"published; call unpublish({held.model!r}, {held.version}) before changing "
+                                    "or freeing them") from cause
+        except BaseException as exc:
+            raise EndpointError(f"{what}, nor its withdrawal ({exc}): the tensors stay registered as published "
+                                f"(the hub may yet route readers to them); call unpublish({held.model!r}, "
+                                f"{held.version}) before changing or freeing them") from cause
+        self._drop(held)
+        raise EndpointError(f"{what}; withdrawn at the hub, the tensors are the caller's again") from cause
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
               timeout: float = 60.0, window: int = 4, read_timeout: Optional[float] = None,
@@ -217,6 +290,12 @@ class Endpoint:
         resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
                               timeout=min(resolve_timeout, timeout))
         held = self._replicas.get((model, resolved.version))
+        while held is not None and held.rank < 0 and len(held.held) < len(held.placed.views) \
+                and time.monotonic() < deadline:
+            # Another thread is fetching it (a retention pull beside a `th sync`, on their
+            # own workers): its outcome is ours, a complete replica or none.
+            time.sleep(0.05)
+            held = self._replicas.get((model, resolved.version))
         if held is not None and (held.rank >= 0 or len(held.held) == len(held.placed.views)) and (
                 callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
@@ -228,7 +307,7 @@ class Endpoint:
         if callable(into):  # a destination made to measure (agents' host copies)
             into = into(resolved.shards)
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
-        for old in [h for h in list(self._replicas.values()) if h.overlaps(placed.regions)]:
+        for old in [h for h in self._held() if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
         self._await_zombies((model, resolved.version), deadline)
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
@@ -345,10 +424,16 @@ class Endpoint:
 
     def release(self, model: str, version: int) -> None:
         """Drop our replica of ``model@version`` at once, without a drain: for a version
-        the hub already forgot (its ``release`` command). No-op if we hold none."""
+        the hub already forgot (its ``release`` command). No-op if we hold none, or only
+        a fetch in progress holds it: its reads may still write there (a ``release``
+        runs beside a ``th sync`` fetch), and that fetch lets it go when it fails."""
         held = self._replicas.get((model, version))
-        if held is not None:
-            self._drop(held)
+        if held is None:
+            return
+        if held.rank < 0 and len(held.held) < len(held.placed.views):
+            log.info("%s: release of %s@%s left to the fetch still filling it", self.name, model, version)
+            return
+        self._drop(held)
 
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
@@ -374,17 +459,20 @@ class Endpoint:
             return
         self._closed = True
         if drain_timeout and self.service.registered.is_set():
-            for held in list(self._replicas.values()):
+            for held in self._held():
                 try:
                     self.unpublish(held.model, held.version, timeout=drain_timeout)
                 except Exception as exc:
                     log.warning("close: %s", exc)
         self.service.stop()
         self._shut = True
-        for held in list(self._replicas.values()):
+        for held in self._held():
             self._drop(held)
         self.peer.close()
-        self._rpc.close()
+        with self._rpcs_lock:
+            for _, client in self._rpcs:
+                client.close()
+            self._rpcs = []
         self.tcp.close()
         self.engine.close()
         self.verifiers.shutdown(wait=True, cancel_futures=True)

@@ -82,7 +82,7 @@ class Fetch:
         """Until the hub says we hold everything. One plan request is in flight at a
         time, sent without waiting: reads already started keep moving (and verifying)
         while the hub answers."""
-        self.client = HubClient(self.ep._rpc.address, self.ep._token, source=self.ep.host)
+        self.client = HubClient(self.ep._hub, self.ep._token, source=self.ep.host)
         try:
             self._loop()
         finally:

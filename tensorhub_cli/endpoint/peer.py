@@ -2,7 +2,8 @@
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
 replicas and ``ReadBytes`` from the memory it serves (``engines.serve``, whatever the
 endpoint's engine). Every connection is closed after a refused ask; an idle connection
-is closed after ``idle_s`` (default 300 s), and one whose reader stops receiving
+is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp engines drop their
+pooled connections well before, ``engines.tcp.IDLE_S``), and one whose reader stops receiving
 after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``, 30 s) per slice.
 ``close(timeout)`` stops accepting, ends every connection, and waits up to ``timeout``
 (default 5 s) for the server thread to end."""
@@ -20,11 +21,12 @@ from ..engines import wire
 from ..engines.serve import SEND_TIMEOUT_S, Regions, serve_read
 
 log = logging.getLogger("tensorhub.peer")
+IDLE_S = 300.0
 
 
 class PeerServer:
     def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
-                 regions: Regions, *, idle_s: float = 300.0, send_timeout_s: float = SEND_TIMEOUT_S):
+                 regions: Regions, *, idle_s: float = IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S):
         self._token = token.encode()
         self._describe = describe
         self._regions = regions

@@ -14,8 +14,11 @@ also reaps reads a failed fetch left behind (``Endpoint._reap``).
 Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
 1 ms while readers are at our memory (the engine's passive side must progress for
 peers' reads to finish), 10 ms while we hold memory nobody asked about lately, 50 ms
-otherwise. Commands run on a worker thread, one at a time, through the endpoint's
-command handler (see ``endpoint.commands``), so a long fetch never stalls heartbeats.
+otherwise. Commands run on worker threads through the endpoint's command handler (see
+``endpoint.commands``), so a long fetch never stalls heartbeats: ``retain`` and
+``release`` on one worker, every other command on another, each worker one command at
+a time in the order they came. A retention pull (which an unpublish elsewhere waits
+for, contract 4) thus never queues behind a ``th sync`` fetch of up to 600 s.
 
 Waits: each Register or Heartbeat waits ``max(heartbeat_s, 1 s)`` for the hub (a
 beat must not outlast the next one by much); ``stop`` waits ``join_timeout`` for the
@@ -52,16 +55,20 @@ class Service:
         self.stopping = threading.Event()
         self.last_error: str | None = None
         self.fenced: str | None = None  # the hub's reason, once another process replaced us
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fetch, load
+        self.retention: queue.SimpleQueue = queue.SimpleQueue()  # retain, release
         self._exit_lock = threading.Lock()
         self._exited = False  # the thread no longer touches the socket
         self._orphaned = False  # stop gave up waiting: the thread closes the socket on its way out
         self._thread = threading.Thread(target=self._run, name=f"th-service-{ep.name}", daemon=True)
         self._worker = threading.Thread(target=self._work, name=f"th-commands-{ep.name}", daemon=True)
+        self._retainer = threading.Thread(target=self._work, args=(self.retention,),
+                                          name=f"th-retention-{ep.name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
         self._worker.start()
+        self._retainer.start()
 
     def _beat(self) -> None:
         timeout = max(self.heartbeat_s, 1.0)
@@ -113,7 +120,9 @@ class Service:
             except Exception as exc:  # a garbled push must not stop heartbeats
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
-                self.commands.put(self.client.pushed.popleft())
+                cmd = self.client.pushed.popleft()
+                retention = getattr(cmd, "action", None) in ("retain", "release")
+                (self.retention if retention else self.commands).put(cmd)
             if holding:
                 self.ep.engine.progress()
 
@@ -126,9 +135,10 @@ class Service:
             return 0.05
         return 0.001 if now - self.ep.peer.last_ask < self.hot_s else 0.01
 
-    def _work(self) -> None:
+    def _work(self, commands: queue.SimpleQueue | None = None) -> None:
+        commands = self.commands if commands is None else commands
         while True:
-            cmd = self.commands.get()
+            cmd = commands.get()
             if cmd is None:
                 return
             try:
@@ -139,10 +149,11 @@ class Service:
     def stop(self, *, join_timeout: float = 5.0, deregister_timeout: float = 1.0) -> None:
         """Ends the beats (the service thread is given ``join_timeout`` to finish its
         slice) and tells the hub we left (if it answers within ``deregister_timeout``).
-        The worker is not waited for: it runs the commands already queued (against a
-        closing endpoint), then ends."""
+        The workers are not waited for: they run the commands already queued (against a
+        closing endpoint), then end."""
         self.stopping.set()
         self.commands.put(None)
+        self.retention.put(None)
         self._thread.join(timeout=join_timeout)
         with self._exit_lock:
             if not self._exited:

@@ -6,6 +6,14 @@ with ``recv_into`` straight into the destination memory (no intermediate buffer)
 Every socket has a timeout (``timeout``, default 10 s: one connect, send or receive),
 so a silent holder fails the read instead of hanging it.
 
+Pooled connections. The holder closes a connection idle for its ``PeerServer(idle_s=)``
+(300 s by default); a read over such a connection would fail, and a healthy holder
+would land in the reader's avoid list. So a connection unused for ``idle_s`` (default
+``IDLE_S``, 60 s: well inside the holder's limit) is closed rather than reused, one the
+holder closed is dropped when taken from the pool, and a read whose reused connection
+turns out closed before any byte of its answer came (the holder closed it as the ask
+went out) goes out again, once, on a fresh connection. Only that one counts.
+
 Stopping a read. A read in flight cannot be abandoned while its thread may still
 write into the target memory (contract 3: the hub must count it against its source
 until it really ended). ``release`` of a pending read asks it to stop: a read not
@@ -22,10 +30,18 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from . import wire
 from .base import Engine, EngineError, Pair, Region, State, host_view
+
+
+IDLE_S = 60.0
+
+
+class _Stale(Exception):
+    """A reused connection the holder had closed before answering: not a failed read."""
 
 
 class TcpRead:
@@ -56,9 +72,13 @@ class TcpRead:
 class TcpEngine(Engine):
     kind = "tcp"
 
-    def __init__(self, token: str, *, timeout: float = 10.0, threads: int = 8, source: str | None = None):
+    def __init__(self, token: str, *, timeout: float = 10.0, threads: int = 8, source: str | None = None,
+                 idle_s: float = IDLE_S):
+        """``idle_s``: how long a pooled connection may sit unused before it is closed
+        instead of reused (keep it below the holders' ``PeerServer(idle_s=)``)."""
         self._token = token
         self._timeout = timeout
+        self._idle_s = idle_s
         self._source = source
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="th-tcp")
         self._conns: dict[str, queue.SimpleQueue] = {}
@@ -85,25 +105,66 @@ class TcpEngine(Engine):
         xfer.future = self._pool.submit(self._read, str(peer), pairs, xfer)
         return xfer
 
-    def _conn(self, address: str):
+    def _conn(self, address: str) -> tuple[socket.socket, bool]:
+        """A connection to ``address``, and whether it was used before."""
         with self._lock:
             idle = self._conns.setdefault(address, queue.SimpleQueue())
+        while True:
+            try:
+                sock, since = idle.get_nowait()
+            except queue.Empty:
+                return wire.dial(address, self._timeout, self._source), False
+            if time.monotonic() - since < self._idle_s and self._open(sock):
+                return sock, True
+            sock.close()
+
+    def _open(self, sock: socket.socket) -> bool:
+        """Whether an idle connection is still open: nothing to read yet (an end of
+        stream, an error or unasked bytes all make it useless)."""
         try:
-            return idle.get_nowait()
-        except queue.Empty:
-            return wire.dial(address, self._timeout, self._source)
+            sock.setblocking(False)
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+            finally:
+                sock.settimeout(self._timeout)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def _read(self, address: str, pairs: list[Pair], xfer: TcpRead) -> None:
-        sock = self._conn(address)
+        sock, reused = self._conn(address)
+        try:
+            self._read_over(sock, address, pairs, xfer, reused)
+        except _Stale:
+            sock = wire.dial(address, self._timeout, self._source)
+            self._read_over(sock, address, pairs, xfer, False)
+
+    def _read_over(self, sock: socket.socket, address: str, pairs: list[Pair], xfer: TcpRead, reused: bool) -> None:
+        """Raises ``_Stale`` when ``reused`` and the holder had closed ``sock`` before
+        any byte of the first answer came."""
         with xfer.lock:
             xfer.sock = sock
             stopped = xfer.stopped
         try:
             if stopped:
                 raise EngineError("read stopped before it started")
-            for pair in pairs:
+            for i, pair in enumerate(pairs):
                 ask = wire.ReadBytes(addr=pair.remote, nbytes=pair.nbytes)
-                sock.sendall(wire.frame(wire.Ask(v=wire.WIRE_VERSION, token=self._token, op=ask)))
+                try:
+                    sock.sendall(wire.frame(wire.Ask(v=wire.WIRE_VERSION, token=self._token, op=ask)))
+                    closed = i == 0 and reused and sock.recv(1, socket.MSG_PEEK) == b""
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = i == 0 and reused
+                    if not closed:
+                        raise
+                if closed:
+                    with xfer.lock:
+                        stale = not xfer.stopped  # (a stop's shutdown also reads as closed)
+                    if stale:
+                        raise _Stale()
+                    raise EngineError("read stopped")
                 body = wire.recv_answer(sock).body
                 if not isinstance(body, wire.Bytes) or body.nbytes != pair.nbytes:
                     raise wire.PeerError(f"holder at {address} refused the read: {body}")
@@ -119,7 +180,7 @@ class TcpEngine(Engine):
         if stopped:  # a shutdown may have landed after the last byte: the socket is spent
             sock.close()
         else:
-            self._conns[address].put(sock)
+            self._conns[address].put((sock, time.monotonic()))
 
     def state(self, transfer: object) -> State:
         fut: Future = transfer.future  # type: ignore[attr-defined]
@@ -141,4 +202,4 @@ class TcpEngine(Engine):
         with self._lock:
             for idle in self._conns.values():
                 while not idle.empty():
-                    idle.get_nowait().close()
+                    idle.get_nowait()[0].close()

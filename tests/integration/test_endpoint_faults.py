@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from tensorhub_cli.endpoint import FetchError, connect
+from tensorhub_cli.endpoint import EndpointError, FetchError, connect
 from tensorhub_cli.hub import protocol as p
-from tensorhub_cli.hub.client import HubUnreachable
+from tensorhub_cli.hub.client import HubClient, HubUnreachable
 from tensorhub_cli.launch.procs import stop_child
 
 from ..conftest import free_port
@@ -167,3 +167,90 @@ def test_reads_a_failed_fetch_could_not_stop_stay_pinned_until_they_do(hub3, mon
     stoppable.set()
     assert done.wait(10), "the reads stopped, yet the unpublish did not complete"
     t.join(10)
+
+
+def test_a_draining_unpublish_holds_up_no_other_hub_call_of_its_endpoint(hub3, monkeypatch):
+    _, client, join = hub3
+    monkeypatch.setenv("TH_TEST_SERVE_BPS", str(1 << 20))
+    pub, reader = join("pub"), join("reader", call_timeout_s=0.5)
+    pub.publish("m", 1, tensors(16, 4), chunk_bytes=4 << 20)
+    stoppable = threading.Event()  # the reader's reads stay pinned, so pub's drain waits, until then
+    real_release = reader.tcp.release
+    reader.tcp.release = lambda xfer: real_release(xfer) and stoppable.is_set()
+    with pytest.raises(FetchError):
+        reader.fetch("m", 1, into=tensors(16, 4), window=4, timeout=2)
+    drained, answered = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (pub.unpublish("m", 1, timeout=30), drained.set()))
+    t.start()
+    try:
+        assert not drained.wait(1.0), "the drain did not wait for the pinned reads"
+        other = threading.Thread(target=lambda: (pub.versions(timeout=2), answered.set()), daemon=True)
+        other.start()
+        assert answered.wait(3), "a hub call of the same endpoint waited behind its unpublish's drain"
+    finally:
+        stoppable.set()
+        t.join(15)
+    assert drained.is_set(), "the reads stopped, yet the unpublish did not complete"
+
+
+def lose_replies(monkeypatch, *ops) -> None:
+    """Requests of these kinds reach the hub, but their replies come after the call's timeout."""
+    real = HubClient.call
+
+    def call(self, op, timeout=5.0):
+        if isinstance(op, ops):
+            self.send(op)
+            time.sleep(timeout)
+            raise HubUnreachable(f"no reply from hub within {timeout:.1f}s (test: delayed)")
+        return real(self, op, timeout=timeout)
+
+    monkeypatch.setattr(HubClient, "call", call)
+
+
+def test_a_publish_that_timed_out_is_withdrawn_at_the_hub_before_its_memory_is_let_go(hub3, monkeypatch):
+    _, client, join = hub3
+    pub = join("pub")
+    lose_replies(monkeypatch, p.Publish)
+    with pytest.raises(EndpointError, match="withdrawn"):  # (4 s: past the hub's start-up grace, no drain ends)
+        pub.publish("m", 1, tensors(1, 2), timeout=4.0)
+    monkeypatch.undo()
+    assert ("m", 1) not in pub._replicas
+    versions = client.call(p.Versions(model="m"), timeout=5).versions
+    assert all(v.replicas == 0 for v in versions), versions  # before the fix: READY, held by pub's let-go memory
+
+
+def test_a_publish_whose_withdrawal_is_unanswered_too_keeps_its_memory_registered(hub3, monkeypatch):
+    _, client, join = hub3
+    pub = join("pub")
+    lose_replies(monkeypatch, p.Publish, p.Unpublish)
+    with pytest.raises(EndpointError, match="unpublish"):
+        pub.publish("m", 1, tensors(1, 2), timeout=0.5)
+    monkeypatch.undo()
+    assert ("m", 1) in pub._replicas, "memory the hub may still route readers to was let go"
+    pub.unpublish("m", 1, timeout=10)
+    assert ("m", 1) not in pub._replicas
+
+
+def test_a_retention_pull_beside_a_sync_fetch_of_the_same_version_shares_its_outcome(hub3, monkeypatch):
+    """retain and th sync run on separate workers now: the second fetch of a version the
+    first is still filling waits for it, as it did when they ran one after the other."""
+    from tensorhub_cli.layout import allocate
+
+    _, client, join = hub3
+    monkeypatch.setenv("TH_TEST_SERVE_BPS", str(4 << 20))  # 8 MiB: about 2 s
+    pub, agent = join("pub"), join("agent")
+    pub.publish("m", 1, tensors(8, 4), chunk_bytes=2 << 20)
+    results: list = []
+
+    def fetch():
+        try:
+            results.append(agent.fetch("m", 1, into=allocate, timeout=30))
+        except Exception as exc:  # reported to the test thread below
+            results.append(exc)
+
+    first = threading.Thread(target=fetch)
+    first.start()
+    wait_until(lambda: (h := agent._replicas.get(("m", 1))) and h.reading, 20, "the first fetch's reads")
+    fetch()
+    first.join(30)
+    assert results == [1, 1], results

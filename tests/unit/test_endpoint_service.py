@@ -66,3 +66,49 @@ def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():
     assert not client.overlaps, client.overlaps
     service._thread.join(5)
     assert not service._thread.is_alive()
+
+
+class PushingClient:
+    """Beats at once; hands the service the commands a test pushes."""
+
+    def __init__(self):
+        from collections import deque
+
+        self.pushed = deque()
+
+    def call(self, op, timeout: float = 5.0):
+        return p.Ok()
+
+    def poll_pushed(self, timeout: float) -> None:
+        time.sleep(min(timeout, 0.01))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_retention_pull_never_waits_behind_a_long_sync_fetch():
+    client = PushingClient()
+    fetching, done = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def handler(ep, cmd):
+        seen.append(cmd.action)
+        if cmd.action == "fetch":  # a `th sync` fetch that takes minutes
+            fetching.set()
+            done.wait(10)
+
+    service = Service(fake_endpoint(), client, heartbeat_s=0.05, handler=handler)
+    service.start()
+    try:
+        client.pushed.append(p.Command(action="fetch", model="m", version=1))
+        assert fetching.wait(5)
+        client.pushed.extend([p.Command(action="retain", model="m", version=2),
+                              p.Command(action="release", model="m", version=0),
+                              p.Command(action="fetch", model="m", version=3)])
+        deadline = time.monotonic() + 3
+        while seen[1:3] != ["retain", "release"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["fetch", "retain", "release"], seen  # the second fetch still waits its turn
+    finally:
+        done.set()
+        service.stop(join_timeout=2, deregister_timeout=0.5)
