@@ -179,8 +179,6 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = typer.Option(Fal
 
 
 def _watch(name: str, state, places, interval: float) -> None:
-    import time
-
     from rich.live import Live
 
     from .hub import protocol as p
@@ -418,6 +416,41 @@ def bench_fanout(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
     except (RigError, RuntimeError, ValueError) as exc:
         fail(f"th bench fanout: {exc}", 1)
     _show_bench("fanout", result, as_json, plot)
+
+
+@bench.command("faults")
+def bench_faults(as_json: bool = JsonOpt,
+                 mib: float = typer.Option(64, min=0.001, help="payload MiB of each faulted fetch"),
+                 engine: str = typer.Option("tcp", help="nixl or tcp (tcp: its serving can be throttled so "
+                                            "that faults land mid-read)"),
+                 window: int = typer.Option(2, min=1, help="reads in flight per reader"),
+                 timeout: float = typer.Option(120.0, min=1, help="seconds before an operation counts as stuck")) -> None:
+    """Kill sources, readers and the hub, corrupt chunks, send bad tokens and garbage mid-fetch: one row per fault."""
+    _check_engine("faults", engine)
+    from .bench import faults
+    from .bench.rig import RigError
+
+    if not as_json:
+        err.print(f"bench faults: {', '.join(faults.FAULTS)} on loopback …", highlight=False)
+    try:
+        result = faults.run(mib=mib, engine=engine, timeout=timeout, window=window)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
+        fail(f"th bench faults: {exc}", 1)
+    if as_json:
+        print(json.dumps({"rows": result["rows"], "ok": result["ok"]}))
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"th bench faults ({result['bytes'] / 2**20:.0f} MiB, {result['engine']})")
+        for col in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown", "detail"):
+            table.add_column(col, overflow="fold")
+        for row in result["rows"]:
+            table.add_row(*("yes" if v is True else "NO" if v is False else "-" if v is None else str(v)
+                            for v in (row[c] for c in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown",
+                                                         "detail"))))
+        out.print(table)
+    if not result["ok"]:
+        fail("th bench faults: " + "; ".join(f"{r['fault']}: {r['detail']}" for r in result["rows"] if not r["ok"]), 1)
 
 
 @bench.command("rl")

@@ -132,3 +132,51 @@ class Driven:
         stop_child(self.proc)
         self.log.close()
         os.unlink(self.log.name)
+
+
+class HubProcess:
+    """A hub process on loopback that can be killed (-9) and started again on the same
+    address and token, as ``th up`` restarts a dead hub. Use it as a context manager:
+    the process is stopped by its PID on exit, whatever happened."""
+
+    def __init__(self, planner: str = "ros", expiry_s: float = 5.0, token: str | None = None):
+        self.token = token or secrets.token_hex(16)
+        self.planner, self.expiry_s = planner, expiry_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="th-rig-")
+        self.token_file = Path(self._tmp.name) / "token"
+        self.token_file.write_text(self.token)
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.log = open(Path(self._tmp.name) / "hub.log", "a+b")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", self.address,
+                                      "--token-file", str(self.token_file), "--expiry-s", str(self.expiry_s),
+                                      "--planner", self.planner], stdout=self.log, stderr=subprocess.STDOUT)
+        proc = self.proc
+        try:
+            wait_for_hub(self.address, self.token, timeout=timeout, alive=lambda: proc.poll() is None)
+        except HubUnreachable as exc:
+            self.log.seek(0)
+            raise RigError(f"hub: {exc}; its log:\n{self.log.read().decode(errors='replace')[-2000:]}") from None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_child(self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_child(self.proc)
+        self.log.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "HubProcess":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -109,6 +109,8 @@ class Fetch:
                 plan_due = False
             if self.asked is not None:
                 planned = self._answer()
+                if planned is None and self.asked is None:
+                    plan_due = True  # the hub turned the plan away for now (restarted): ask again
                 if planned is not None:
                     if planned.complete:
                         return
@@ -144,7 +146,7 @@ class Fetch:
         self.backoff = min(max(0.01, self.backoff * 2), 0.5) if only_failures else 0.0
         if self.backoff:
             time.sleep(min(self.backoff, max(0.0, self.deadline - time.monotonic())))
-        self.asked = Asked(self.client.send(op), time.monotonic(), op)
+        self.asked = Asked(self.client.send(op), time.monotonic(), op, self.ep.service.registrations)
 
     def _answer(self) -> p.Planned | None:
         asked = self.asked
@@ -156,10 +158,16 @@ class Fetch:
                 time.sleep(0.05)  # (the service thread may not have noticed yet)
                 self.ep._await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
                 return None
+            if exc.code == "rebuilding":  # restarted hub, holders still re-registering: ask again
+                time.sleep(min(0.1, max(0.0, self.deadline - time.monotonic())))
+                return None
             raise FetchError(f"hub refused plan of {self.held.model}@{self.held.version}: {exc}") from None
         if planned is None:
-            if time.monotonic() - asked.sent > self.plan_timeout:  # lost (hub restarting?): ask again, same report
-                self.asked = Asked(self.client.send(asked.op), time.monotonic(), asked.op)
+            # Lost: past its timeout, or sent to a hub that has since restarted (we
+            # registered again after sending it). Ask again with the same report.
+            again = self.ep.service.registrations
+            if time.monotonic() - asked.sent > self.plan_timeout or again != asked.registrations:
+                self.asked = Asked(self.client.send(asked.op), time.monotonic(), asked.op, again)
             return None
         self.asked = None
         return planned

@@ -49,6 +49,7 @@ class Asked:
     rid: int
     sent: float  # monotonic
     op: p.Plan
+    registrations: int = 0  # the service's count when it was sent
 
 
 @dataclass(slots=True)

@@ -52,6 +52,9 @@ class Service:
         self.handler = handler
         self.hot_s = hot_s
         self.registered = threading.Event()
+        # Registrations accepted so far: one more means the hub restarted (or forgot
+        # us), and a request sent before it may have died with the old hub.
+        self.registrations = 0
         self.stopping = threading.Event()
         self.last_error: str | None = None
         self.fenced: str | None = None  # the hub's reason, once another process replaced us
@@ -74,6 +77,7 @@ class Service:
         timeout = max(self.heartbeat_s, 1.0)
         if not self.registered.is_set():
             self.client.call(p.Register(info=self.ep.info, holdings=self.ep.holdings()), timeout=timeout)
+            self.registrations += 1
             self.registered.set()
             return
         try:

@@ -34,7 +34,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
                                       failed=op.failed))
     v = hub.version(op.model, op.version)
-    require_ready(v)
+    require_ready(v, now < hub.grace_until)
     if op.name in v.draining:
         # Its buffer is being let go: reads into it would be lost, and their pins
         # would outlive the replica they were filling.

@@ -21,7 +21,7 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
         raise HubFault("not_found", f"model {op.model!r} has no versions")
     if op.version is not None:
         v = hub.version(op.model, op.version)
-        require_ready(v)
+        require_ready(v, now < hub.grace_until)
         return _resolved(v, 0)
     if op.group is None:
         return _resolved(latest(hub, op.model), 0)
@@ -40,7 +40,7 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
         number = hub.rounds[key].number + 1 if key in hub.rounds else 1
         rnd = hub.rounds[key] = Round(number=number, version=newest.number, opened_at=now)
     v = hub.models[op.model][rnd.version]
-    require_ready(v)
+    require_ready(v, now < hub.grace_until)
     rnd.resolved.add(op.name)
     return _resolved(v, rnd.number)
 
@@ -52,7 +52,13 @@ def latest(hub: HubState, model: str) -> Version:
     return max(ready, key=lambda v: v.number)
 
 
-def require_ready(v: Version) -> None:
+def require_ready(v: Version, rebuilding: bool = False) -> None:
+    """``rebuilding``: the hub restarted within its grace period, so a chunk no live
+    endpoint holds may be held by one that has not re-registered yet (contract 7):
+    ``rebuilding`` is an answer to ask again, not UNAVAILABLE's give up."""
+    if v.state == UNAVAILABLE and rebuilding:
+        raise HubFault("rebuilding", f"{v.model}@{v.number}: the hub restarted and its holders are still "
+                                     "registering again; ask again shortly")
     if v.state == UNAVAILABLE:
         missing = v.missing()
         raise HubFault("unavailable", f"{v.model}@{v.number} is UNAVAILABLE: no live endpoint holds "

@@ -192,3 +192,20 @@ def test_a_failure_report_alone_makes_no_replica():
     assert "r" not in hub.models["m"][1].replicas
     hub.progress(0, p.Progress(name="r", model="m", version=1, chunks=[], failed=[read]))
     assert "r" not in hub.models["m"][1].replicas
+
+
+def test_a_restarted_hub_says_rebuilding_not_unavailable_while_holders_return():
+    """Contract 7, found by `th bench faults` (kill_hub, ~1 run in 10): a reader that
+    re-registered before the publisher had its plan answered UNAVAILABLE, and gave up."""
+    hub = new_hub(now=100.0, grace_s=5.0)  # a fresh hub after a restart
+    m = manifest(4)
+    reg(hub, 100.0, info("r", node="n2"), holdings=[p.Holding(model="m", version=1, world=1, shards=[m], held=[0])])
+    with pytest.raises(HubFault) as exc:
+        hub.plan(100.5, p.Plan(name="r", model="m", version=1))
+    assert exc.value.code == "rebuilding"
+    reg(hub, 101.0, info("t"), holdings=[p.Holding(model="m", version=1, world=1, shards=[m], rank=0)])
+    assert {r.source for r in hub.plan(101.0, p.Plan(name="r", model="m", version=1)).reads} == {"t"}
+    hub.deregister(101.0, p.Deregister(name="t"))
+    with pytest.raises(HubFault) as exc:  # past the grace period a gap is a gap
+        hub.plan(106.0, p.Plan(name="r", model="m", version=1))
+    assert exc.value.code == "unavailable"
