@@ -78,6 +78,7 @@ from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .replica import Held
 from .service import Service
+from .zombies import Zombies
 
 log = logging.getLogger("tensorhub.endpoint")
 
@@ -120,9 +121,6 @@ class Endpoint:
         self.engine, self.tcp = make_engine(engine, info.name, token, host, conn_idle_s)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
-        self._zombies: list = []  # inflight.Zombie: transfers that could not be released yet
-        self._zombie_lock = threading.Lock()  # the fetch loop adds, the service thread reaps
-        self._stopped: dict[tuple[str, int], int] = {}  # zombies of a failed fetch confirmed stopped, per version
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s)
@@ -132,6 +130,8 @@ class Endpoint:
         self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode(),
                                             incarnation=uuid.uuid4().hex)
         self.incarnation = self.info.incarnation
+        # transfers that could not be released yet (contract 3: they stay pinned)
+        self.zombies = Zombies(self.name, self.incarnation, lambda key: key in self._replicas, call_timeout_s)
         self._hub = hub
         # One hub socket per calling thread, used only by it: a thread waiting for a
         # deferred reply (an unpublish's drain, minutes) holds up no other thread's
@@ -309,7 +309,7 @@ class Endpoint:
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
         for old in [h for h in self._held() if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-        self._await_zombies((model, resolved.version), deadline)
+        self.zombies.wait_for((model, resolved.version), deadline)
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
         self._add(held)
         job = Fetch(self, held, deadline, window,
@@ -328,44 +328,8 @@ class Endpoint:
         return resolved.version
 
     def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
-        """Release the transfers reads left behind, once they let go (the service thread,
-        every beat, through ``call``). A failed fetch's reads stayed pinned at the hub:
-        once the last of a version's has stopped, ``Cancel`` unpins them all."""
-        with self._zombie_lock:
-            live = []
-            for z in self._zombies:
-                if not z.engine.release(z.xfer):
-                    live.append(z)
-                elif z.read is not None:
-                    key = (z.model, z.version)
-                    self._stopped[key] = self._stopped.get(key, 0) + 1
-            self._zombies = live
-            waiting = {(z.model, z.version) for z in live if z.read is not None}
-            ready = [key for key in self._stopped if key not in waiting]
-            for key in ready:
-                del self._stopped[key]
-        for model, version in ready:
-            if (model, version) in self._replicas:
-                continue  # a new fetch of it (started after these stopped) owns the pins now
-            try:
-                call(p.Cancel(name=self.name, model=model, version=version, incarnation=self.incarnation),
-                     self.call_timeout_s)
-            except HubUnreachable:
-                with self._zombie_lock:  # try again next beat
-                    self._stopped[(model, version)] = self._stopped.get((model, version), 0) + 1
-            except HubError as exc:  # not_found: the version is gone, and its pins with it
-                log.debug("%s: cancel of stopped reads of %s@%s: %s", self.name, model, version, exc)
-
-    def _await_zombies(self, key: tuple[str, int], deadline: float) -> None:
-        """A fetch of a version whose earlier reads have not stopped yet would share their
-        pins (and maybe their memory): wait for them, within the fetch's deadline."""
-        while True:
-            with self._zombie_lock:
-                if not any(z.read is not None and (z.model, z.version) == key for z in self._zombies):
-                    return
-            if time.monotonic() >= deadline:
-                raise FetchError(f"{self.name}: reads of an earlier fetch of {key[0]}@{key[1]} have not stopped yet")
-            time.sleep(0.01)
+        """The service thread's beat: release zombies that let go (``Zombies.reap``)."""
+        self.zombies.reap(call)
 
     def _abort(self, job: Fetch, held: Held) -> None:
         """A failed fetch leaves no replica: stop reads, release pins, let the partial go
@@ -376,8 +340,7 @@ class Endpoint:
         if left:
             log.warning("%s: %d read(s) of %s@%s did not stop within %.1fs; they stay pinned until they do",
                         self.name, len(left), held.model, held.version, self.call_timeout_s)
-            with self._zombie_lock:
-                self._zombies.extend(left)
+            self.zombies.add(*left)
             release: p.Op = job.unpinned()
         else:
             release = p.Cancel(name=self.name, model=held.model, version=held.version, incarnation=self.incarnation)

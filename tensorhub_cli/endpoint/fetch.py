@@ -294,8 +294,7 @@ class Fetch:
         """A read that ended (done or failed): no longer writing, whatever ``release`` says."""
         reading = self.inflight.pop(chunk)
         if not reading.engine.release(reading.xfer):
-            with self.ep._zombie_lock:
-                self.ep._zombies.append(Zombie(reading.engine, reading.xfer))
+            self.ep.zombies.add(Zombie(reading.engine, reading.xfer))
         with self.held.lock:
             self.held.reading.pop(chunk, None)
 
