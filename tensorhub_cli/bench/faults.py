@@ -55,16 +55,19 @@ For the last two recovery_s is 0 (nothing is lost to recover).
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import threading
 import time
-import traceback
 
+import msgspec
 import torch
+import zmq
 
-from .peer import Peer, arguments, connect_from, tensors
+from ..engines import wire
+from ..hub import protocol as p
+from ..hub.client import HubClient, HubError, HubUnreachable
+from .peer import Peer, serve, tensors
 from .rig import Driven, HubProcess, RigError
 
 FAULTS = ["kill_source", "kill_reader", "corrupt_chunk", "kill_hub", "bad_token", "garbage_frames"]
@@ -120,46 +123,23 @@ class FaultPeer(Peer):
 
 
 def main() -> int:
-    args = arguments().parse_args()
-    ep = connect_from(args, heartbeat_s=0.2)
-    peer = FaultPeer(ep)
-    print(json.dumps({"ready": True, "engine": ep.engine.kind}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "exit":
-            ep.close(drain_timeout=cmd.get("drain_timeout", 5))
-            print(json.dumps({"closed": True}), flush=True)
-            break
-        try:
-            reply = getattr(peer, op)(**cmd)
-        except Exception as exc:
-            reply = {"error": str(exc), "type": type(exc).__name__, "trace": traceback.format_exc()}
-        print(json.dumps(reply), flush=True)
-    return 0
+    return serve(FaultPeer, heartbeat_s=0.2)
 
 
 # --- the workload --------------------------------------------------------------------
 
 class _Run:
     def __init__(self, hub: HubProcess, mib: float, window: int, timeout: float):
-        from ..hub.client import HubClient
-
         self.hub, self.mib, self.window, self.timeout = hub, mib, window, timeout
         self.nbytes = int(mib * 2**20) // 16 * 16
         self.chunk_mib = max(self.nbytes // CHUNKS, 4096) / 2**20
         self.client = HubClient(hub.address, hub.token)
 
     def reconnect(self) -> None:
-        from ..hub.client import HubClient
-
         self.client.close()
         self.client = HubClient(self.hub.address, self.hub.token)
 
     def versions(self, model: str):
-        from ..hub import protocol as p
-        from ..hub.client import HubError, HubUnreachable
-
         try:
             return self.client.call(p.Versions(model=model), timeout=2).versions
         except (HubError, HubUnreachable):
@@ -172,8 +152,6 @@ class _Run:
         return 0
 
     def counters(self) -> dict:
-        from ..hub import protocol as p
-
         return self.client.call(p.Status(), timeout=5).counters
 
     def wait(self, predicate, what: str, timeout: float | None = None):
@@ -258,8 +236,6 @@ def _kill_source(r: _Run, procs: dict) -> tuple[dict, Driven]:
 
 
 def _kill_reader(r: _Run, source: Driven, victim: Driven) -> dict:
-    from ..hub import protocol as p
-
     r.publish(source, "kr", 1)
     base = r.unpublish(source, "kr", 1)  # no read in flight
     if base.get("error"):
@@ -335,8 +311,6 @@ def _kill_hub(r: _Run, source: Driven, reader: Driven) -> dict:
 
 def _refused_peer(address: str, body: bytes) -> str:
     """Send one frame to a holder's peer channel → the refusal code it answers."""
-    from ..engines import wire
-
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(len(body).to_bytes(4, "big") + body)
@@ -345,10 +319,6 @@ def _refused_peer(address: str, body: bytes) -> str:
 
 
 def _refused_hub(r: _Run, frames: list[bytes]) -> str:
-    import zmq
-
-    from ..hub import protocol as p
-
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(r.hub.address)
@@ -363,11 +333,6 @@ def _refused_hub(r: _Run, frames: list[bytes]) -> str:
 
 
 def _spam(fault: str, r: _Run, source: Driven, reader: Driven, model: str, base_s: float) -> dict:
-    import msgspec
-
-    from ..engines import wire
-    from ..hub import protocol as p
-
     peer = source.ask("peer_address")["address"]
     if fault == "bad_token":
         want = "auth"

@@ -147,9 +147,15 @@ def connect_from(args, **extra):
 
 
 def main() -> int:
+    return serve(Peer, heartbeat_s=0.5)
+
+
+def serve(make_peer, heartbeat_s: float) -> int:
+    """Connect with the command line's flags, then answer one JSON line per JSON line
+    on stdin with ``make_peer(ep)``'s method named by ``op``, until ``exit``."""
     args = arguments().parse_args()
-    ep = connect_from(args, heartbeat_s=0.5)
-    peer = Peer(ep)
+    ep = connect_from(args, heartbeat_s=heartbeat_s)
+    peer = make_peer(ep)
     print(json.dumps({"ready": True, "engine": ep.engine.kind}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

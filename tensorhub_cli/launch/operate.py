@@ -44,8 +44,9 @@ def _call(client: HubClient, op: p.Op, timeout: float):
 
 
 def _last_seq(client: HubClient, timeout: float) -> int:
-    events = _call(client, p.Status(), timeout).events
-    return events[-1].seq if events else 0
+    # ``Events`` past the end: no events, only the newest seq (a Status would carry
+    # every endpoint and version to say the same)
+    return _call(client, p.Events(since=1 << 62), timeout).last_seq
 
 
 class Events:
