@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         while not stopping.is_set() and time.monotonic() - began < args.duration_s:
             t0, fetch_began = time.monotonic(), time.time()
             try:
+                # wait=False: this loop waits itself, between checks of `stopping`
                 version = ep.fetch(args.model_name, "latest", into=into, group=args.group,
-                                   timeout=args.fetch_timeout_s, window=args.window)
+                                   timeout=args.fetch_timeout_s, window=args.window, wait=False)
             except HubError as exc:
                 if exc.code != "not_found" or time.monotonic() - (t0 if held else began) > args.wait_s:
                     raise

@@ -5,7 +5,9 @@ Protocol. ``connect(hub="tcp://HOST:PORT", token=..., name=..., ...)`` is
 looks the cluster up (``launch.lookup``): the hub address, token and the node's place
 (address, rack, DC) always come from the cluster; the engine, ``heartbeat_s`` and the
 endpoint timeouts come from it unless the caller passes them. Either way it returns a
-registered ``Endpoint`` or raises ``EndpointError``.
+registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named)
+or ``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
+registration in time).
 
 Imports are deferred to the call: ``import tensorhub_cli`` (every ``th`` command)
 must not pay for the endpoint stack.
@@ -13,30 +15,88 @@ must not pay for the endpoint stack.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Literal, Optional
+
+from .errors import BadArgument, EndpointError
 
 _CALLER_WINS = ("engine", "heartbeat_s", "read_timeout_s", "plan_timeout_s", "drain_timeout_s")
 
 
 def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: Optional[str] = None,
-            name: str, node: Optional[str] = None, **options):
-    """Join a cluster as endpoint ``name``; see the module for the two forms and
-    ``endpoint.connect`` for ``options``. Raises ``EndpointError`` when the cluster
-    cannot be looked up or the hub does not accept the registration in time."""
-    from .endpoint import EndpointError, connect as connect_endpoint
+            name: str, node: Optional[str] = None, role: str = "", reliable: bool = True,
+            group: Optional[str] = None, tier: Literal["device", "host"] = "host",
+            kind: Literal["endpoint", "agent"] = "endpoint", engine: Optional[Literal["nixl", "tcp"]] = None,
+            host: Optional[str] = None, dc: str = "", rack: str = "", heartbeat_s: Optional[float] = None,
+            read_timeout_s: Optional[float] = None, plan_timeout_s: Optional[float] = None,
+            drain_timeout_s: Optional[float] = None, call_timeout_s: Optional[float] = None,
+            connect_timeout: Optional[float] = None, on_command: Optional[Callable] = None,
+            chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
+            peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None):
+    """Join a TensorHub cluster as endpoint ``name``; returns a registered ``Endpoint``
+    (``publish``, ``fetch``, ``unpublish``, ``versions``, ``close``; a context manager).
+
+    Where the hub is (exactly one of the two):
+      hub: the hub's address, "tcp://HOST:PORT"; needs ``token``.
+      token: the cluster token (``th up`` writes it under $TH_HOME).
+      cluster: the name of a cluster ``th up`` started on this machine; the hub, the
+        token and the place of ``node`` (address, rack, DC) are read from it.
+
+    Who we are:
+      name: this endpoint's name, unique in the cluster (a process restarted under it
+        replaces the old one).
+      node: the node we run on (required with ``cluster``; default "local").
+      role: free text shown by ``th status`` and matched by ``th sync --role``.
+      reliable: True counts our copies towards retention (``min_reliable_copies``);
+        False for spot workers.
+      group: the model-parallel group we resolve ``latest`` with (contract 2).
+      tier: "host" (CPU memory) or "device" (GPU memory) for what we hold.
+      kind: "endpoint", or "agent" (the per-node daemon; not for applications).
+      engine: "nixl" (default; falls back to "tcp" with a warning) or "tcp".
+      host, dc, rack: the address we bind and send from (default 127.0.0.1) and our
+        place in the topology (ignored with ``cluster``: the cluster's).
+
+    Timeouts in seconds, sizes in bytes (None: the cluster's where it sets one, else
+    the default shown):
+      heartbeat_s: heartbeat period (1.0).
+      read_timeout_s: one chunk read before it is re-planned (30.0).
+      plan_timeout_s: one plan round trip to the hub (5.0).
+      drain_timeout_s: what a leaving agent grants each replica's drain (120.0).
+      call_timeout_s: any other hub or peer round trip (5.0).
+      connect_timeout: until the hub accepts our registration (10.0).
+      peer_idle_s: our peer server closes a reader's idle connection (300.0).
+      conn_idle_s: our tcp engine reuses a pooled connection idle at most this (60.0).
+      chunk_bytes, small_bytes: chunk size of what we publish (16 MiB), and the size
+        below which tensors are packed together (1 MiB).
+
+    Hooks:
+      on_command: ``handler(endpoint, command)`` for commands the hub pushes (default:
+        ``SyncCommands``, serving ``th sync`` into what ``accept_sync`` named).
+
+    Raises ``BadArgument`` naming a bad argument; ``EndpointError`` when the cluster
+    cannot be looked up or the hub does not accept the registration in time.
+    """
+    from . import endpoint as endpoint_lib  # (deferred: see the module)
 
     if (hub is None) == (cluster is None):
-        raise EndpointError("connect needs exactly one of hub=... or cluster=...")
+        raise BadArgument("connect needs exactly one of hub=... or cluster=...")
+    given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, kind=kind,
+                 engine=engine, host=host, dc=dc, rack=rack, heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s,
+                 plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
+                 connect_timeout=connect_timeout, on_command=on_command, chunk_bytes=chunk_bytes,
+                 small_bytes=small_bytes, peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s)
+    options = {k: v for k, v in given.items() if v is not None}
     if cluster is not None:
         from .launch.lookup import endpoint_options
 
+        if not isinstance(cluster, str) or not cluster:
+            raise BadArgument(f"cluster takes a cluster's name (a non-empty str), not {cluster!r}")
         try:
             found = endpoint_options(cluster, node)
         except LookupError as exc:
             raise EndpointError(str(exc)) from None
         for key in _CALLER_WINS:
-            if options.get(key):
-                found.pop(key)
+            if key in options:
+                found.pop(key, None)
         options.update(found)
-        return connect_endpoint(name=name, node=node, **options)
-    return connect_endpoint(hub, token, name=name, node=node, **options)
+        return endpoint_lib.connect(**options)
+    return endpoint_lib.connect(hub=hub, token=token, **options)

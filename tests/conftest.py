@@ -1,8 +1,10 @@
-"""Shared fixtures: free ports, a private TH_HOME, and a spec for a local cluster."""
+"""Shared fixtures: free ports, a private TH_HOME and agent store, and a spec for a local cluster."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def agent_store(monkeypatch):
+    """Agents a test starts keep their copies (``agent.store``) in a directory of the
+    test's own, still on tmpfs where there is one, never in the shared default; it goes
+    with the test, whatever the agents left."""
+    shm = Path("/dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="th-test-store-", dir=shm if shm.is_dir() else None))
+    monkeypatch.setenv("TH_AGENT_STORE", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

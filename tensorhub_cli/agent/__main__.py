@@ -2,7 +2,8 @@
 
 Flags map one to one onto ``daemon.run``; the launcher (``th up``) passes the node's
 place and the spec's ``hub.heartbeat_s`` and ``endpoints`` timeouts. Runs until a
-signal (see ``daemon``), then exits 0.
+signal (see ``daemon``), then exits 0; exits 1 naming the store when another live
+agent uses its store directory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import sys
 
 from .daemon import run
+from .store import StoreError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,13 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout-s", type=float, default=120.0,
                     help="per copy, on failover (SIGUSR1): its drain and retention copy elsewhere")
     ap.add_argument("--connect-timeout-s", type=float, default=3600.0, help="until the hub accepts our registration")
+    ap.add_argument("--store", default=None,
+                    help="base directory of the copies that outlive the agent (default $TH_AGENT_STORE, "
+                         "else /dev/shm/tensorhub)")
+    ap.add_argument("--cluster", default=None, help="names our directory in the store (default hub-<port>)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{args.node}] %(levelname)s %(message)s")
     with open(args.token_file, encoding="utf-8") as f:
         token = f.read().strip()
-    run(args.hub, token, args.node, args.address, args.dc, args.rack, args.spot, args.heartbeat_s, args.engine,
-        read_timeout_s=args.read_timeout_s, plan_timeout_s=args.plan_timeout_s, drain_timeout_s=args.drain_timeout_s,
-        connect_timeout_s=args.connect_timeout_s)
+    try:
+        run(args.hub, token, args.node, args.address, args.dc, args.rack, args.spot, args.heartbeat_s, args.engine,
+            read_timeout_s=args.read_timeout_s, plan_timeout_s=args.plan_timeout_s,
+            drain_timeout_s=args.drain_timeout_s, connect_timeout_s=args.connect_timeout_s, store=args.store,
+            cluster=args.cluster)
+    except StoreError as exc:
+        logging.error("%s", exc)
+        return 1
     logging.info("agent stopped")
     return 0
 

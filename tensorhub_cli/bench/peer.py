@@ -137,11 +137,14 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--node", default="local")
     ap.add_argument("--rack", default="")
     ap.add_argument("--dc", default="")
+    ap.add_argument("--read-timeout-s", type=float, default=None, help="the endpoint's (default: its own)")
     return ap
 
 
 def connect_from(args, **extra):
     """``connect`` with the flags of ``arguments``."""
+    if args.read_timeout_s is not None:
+        extra.setdefault("read_timeout_s", args.read_timeout_s)
     return connect(hub=args.hub, token=args.token, name=args.name, engine=args.engine, host=args.host,
                    node=args.node, rack=args.rack, dc=args.dc, **extra)
 

@@ -37,26 +37,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None, host: str = "127.0.0.1",
         prefix: list[str] | None = None):
     """A hub process → (address, token); on loopback, or at ``host`` through ``prefix``
-    (e.g. inside a testbed node, where the port is surely free)."""
-    token = token or secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="th-rig-") as tmp:
-        token_file = Path(tmp) / "token"
-        token_file.write_text(token)
-        address = f"tcp://{host}:{free_port() if prefix is None else 7790}"
-        log = open(Path(tmp) / "hub.log", "w+b")
-        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "tensorhub_cli.hub", "--bind", address,
-                                 "--token-file", str(token_file), "--expiry-s", str(expiry_s), "--planner", planner],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            try:
-                wait_for_hub(address, token, timeout=30, alive=lambda: proc.poll() is None)
-            except HubUnreachable as exc:
-                log.seek(0)
-                raise RigError(f"{exc}; hub log:\n{log.read().decode(errors='replace')[-2000:]}") from None
-            yield address, token
-        finally:
-            stop_child(proc)
-            log.close()
+    (``HubProcess``)."""
+    with HubProcess(planner, expiry_s, token, host, prefix) as h:
+        yield h.address, h.token
 
 
 class Driven:
@@ -139,18 +122,22 @@ class HubProcess:
     address and token, as ``th up`` restarts a dead hub. Use it as a context manager:
     the process is stopped by its PID on exit, whatever happened."""
 
-    def __init__(self, planner: str = "ros", expiry_s: float = 5.0, token: str | None = None):
+    def __init__(self, planner: str = "ros", expiry_s: float = 5.0, token: str | None = None,
+                 host: str = "127.0.0.1", prefix: list[str] | None = None):
+        """``host``/``prefix``: run it elsewhere, e.g. inside a testbed node (where the
+        port is surely free)."""
         self.token = token or secrets.token_hex(16)
-        self.planner, self.expiry_s = planner, expiry_s
+        self.planner, self.expiry_s, self.prefix = planner, expiry_s, prefix
         self._tmp = tempfile.TemporaryDirectory(prefix="th-rig-")
         self.token_file = Path(self._tmp.name) / "token"
         self.token_file.write_text(self.token)
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.address = f"tcp://{host}:{free_port() if prefix is None else 7790}"
         self.log = open(Path(self._tmp.name) / "hub.log", "a+b")
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", self.address,
+        self.proc = subprocess.Popen([*(self.prefix or []), sys.executable, "-m", "tensorhub_cli.hub", "--bind",
+                                      self.address,
                                       "--token-file", str(self.token_file), "--expiry-s", str(self.expiry_s),
                                       "--planner", self.planner], stdout=self.log, stderr=subprocess.STDOUT)
         proc = self.proc

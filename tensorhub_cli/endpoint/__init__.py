@@ -2,9 +2,10 @@
 
 This package takes explicit addresses only: it reads no cluster state and no spec
 (``tensorhub_cli.api.connect`` adds ``connect(cluster=...)`` on top, through
-``launch.lookup``). ``connect`` registers with the hub before it returns; see
-``endpoint`` for the publish/fetch/unpublish protocol, ``commands`` for the hub's
-commands and the ``on_command`` hook.
+``launch.lookup``). ``connect`` checks its arguments (``BadArgument`` naming the one at
+fault), then registers with the hub before it returns; see ``endpoint`` for the
+publish/fetch/unpublish protocol, ``commands`` for the hub's commands and the
+``on_command`` hook, ``tensorhub_cli.errors`` for what each call may raise.
 """
 
 from __future__ import annotations
@@ -12,30 +13,72 @@ from __future__ import annotations
 import os
 from typing import Literal, Optional
 
+from ..errors import BadArgument, TensorHubError, TensorHubTimeout, VersionNotFound, VersionTimeout
 from ..hub import protocol as p
 from ..layout import LayoutError
+from . import checks
 from .commands import CommandHandler, SyncCommands
 from .endpoint import Endpoint, EndpointError
 from .fetch import FetchError
 
-__all__ = ["connect", "CommandHandler", "Endpoint", "EndpointError", "FetchError", "LayoutError", "SyncCommands"]
+__all__ = ["connect", "BadArgument", "CommandHandler", "Endpoint", "EndpointError", "FetchError", "LayoutError",
+           "SyncCommands", "TensorHubError", "TensorHubTimeout", "VersionNotFound", "VersionTimeout"]
+
+# Endpoint keywords connect passes on only when given (None: the Endpoint's default).
+_SECONDS = ("heartbeat_s", "read_timeout_s", "plan_timeout_s", "drain_timeout_s", "call_timeout_s",
+            "connect_timeout", "peer_idle_s", "conn_idle_s")
+_SIZES = ("chunk_bytes", "small_bytes")
+
+
+def _text(value: object, what: str, *, empty: bool = False) -> str:
+    if isinstance(value, str) and (empty or value):
+        return value
+    raise BadArgument(f"{what} takes a{'' if empty else ' non-empty'} str, not {value!r}")
+
+
+def _one_of(value: object, what: str, allowed: tuple) -> object:
+    if value not in allowed:
+        raise BadArgument(f"{what} takes one of {', '.join(map(repr, allowed))}, not {value!r}")
+    return value
 
 
 def connect(hub: str, token: Optional[str] = None, *, name: str, node: Optional[str] = None, role: str = "",
             reliable: bool = True, group: Optional[str] = None, tier: Literal["device", "host"] = "host",
             engine: Optional[str] = None, host: Optional[str] = None, dc: str = "", rack: str = "",
             heartbeat_s: Optional[float] = None, kind: Literal["endpoint", "agent"] = "endpoint",
-            **options) -> Endpoint:
+            read_timeout_s: Optional[float] = None, plan_timeout_s: Optional[float] = None,
+            drain_timeout_s: Optional[float] = None, call_timeout_s: Optional[float] = None,
+            connect_timeout: Optional[float] = None, on_command: Optional[CommandHandler] = None,
+            chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
+            peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None) -> Endpoint:
     """Join the cluster whose hub is at ``hub`` ("tcp://HOST:PORT") as endpoint ``name``.
 
     ``host`` is the address we bind and send from (default 127.0.0.1); ``engine``
-    defaults to nixl, ``heartbeat_s`` to 1 s. ``options`` go to ``Endpoint`` (the
-    timeouts, ``on_command``, ``connect_timeout``, chunk sizes). Raises
-    ``EndpointError`` when the hub does not accept the registration within
-    ``connect_timeout``."""
+    defaults to nixl. Every timeout and size left None takes the ``Endpoint``
+    default (see ``tensorhub_cli.connect`` for each). Raises ``BadArgument`` naming a
+    bad argument, ``EndpointError`` when the hub does not accept the registration
+    within ``connect_timeout``."""
     if token is None:
-        raise EndpointError("connect(hub=...) needs token=...")
+        raise BadArgument("connect(hub=...) needs token=...")
+    hub, token, name = _text(hub, "hub"), _text(token, "token"), _text(name, "name")
+    for what, value in (("node", node), ("host", host), ("engine", engine)):
+        if value is not None:
+            _text(value, what)
+    for what, value in (("role", role), ("dc", dc), ("rack", rack)):
+        _text(value, what, empty=True)
+    _one_of(tier, "tier", ("device", "host"))
+    _one_of(kind, "kind", ("endpoint", "agent"))
+    _one_of(engine, "engine", (None, "nixl", "tcp"))
+    _one_of(reliable, "reliable", (True, False))
+    group = checks.group(group)
+    if on_command is not None and not callable(on_command):
+        raise BadArgument(f"on_command takes a callable (endpoint, command), not {type(on_command).__name__}")
+    given = dict(heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s, plan_timeout_s=plan_timeout_s,
+                 drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s, connect_timeout=connect_timeout,
+                 peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s, chunk_bytes=chunk_bytes, small_bytes=small_bytes)
+    options = {k: checks.seconds(v, k) if k in _SECONDS else checks.count(v, k)
+               for k, v in given.items() if v is not None}
     info = p.EndpointInfo(name=name, node=node or "local", dc=dc, rack=rack, role=role, kind=kind,
                           reliable=reliable, tier=tier, group=group, pid=os.getpid())
-    return Endpoint(hub, token, info, host=host or "127.0.0.1", engine=engine or "nixl",
-                    heartbeat_s=heartbeat_s or 1.0, **options)
+    return Endpoint(hub, token, info, host=host or "127.0.0.1", engine=engine or "nixl", on_command=on_command,
+                    **options)

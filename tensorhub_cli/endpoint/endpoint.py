@@ -10,8 +10,11 @@ Protocol (per method, what the caller may do once it returns):
   endpoint withdraws it (an unpublish with drain, again within ``timeout``) and raises
   ``EndpointError``: saying "withdrawn", the tensors are the caller's again; else they
   stay registered as published until the caller's ``unpublish`` returns.
-- ``fetch(model, version|"latest", into=state_dict, group=..., timeout=...)`` → the
-  version number. On return every chunk is verified and in ``into``, and this endpoint
+- ``fetch(model, version|"latest", into=state_dict, group=..., timeout=..., wait=True)``
+  → the version number. A version not READY yet (not published, still STAGING, or no
+  READY version at all for ``latest``) is waited for within ``timeout`` (then
+  ``VersionTimeout``); ``wait=False`` raises ``VersionNotFound`` at once (``waiting``).
+  On return every chunk is verified and in ``into``, and this endpoint
   is a complete holder of that version: ``into`` is now published memory, under the
   same rule. Fetching a newer version into the same tensors first unpublishes (drains)
   the one they hold. A fetch of a version another thread of this endpoint is still
@@ -27,7 +30,12 @@ Protocol (per method, what the caller may do once it returns):
 - ``release(model, version)``: drops the replica without a drain (the hub forgot it
   already); the caller owns the memory again.
 - ``report(cmd, kind, message)``: tells the hub how a command went (best effort).
-- ``close()``: unpublishes everything (bounded), deregisters, stops its threads.
+- ``close()``: unpublishes everything and waits for reads a failed fetch left running
+  (each bounded by ``drain_timeout``), deregisters, stops its threads and engines.
+
+Errors are those of ``tensorhub_cli.errors`` (all ``TensorHubError``): a bad argument
+raises ``BadArgument`` naming it before anything changed; any call after ``close``
+raises ``EndpointError`` saying the endpoint is closed.
 
 Commands the hub pushes run through ``on_command`` (default: ``SyncCommands``, which
 serves ``th sync`` into what ``accept_sync`` named); see ``commands`` for what a
@@ -55,6 +63,7 @@ other thread's call. Replica records are shared under locks.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -71,6 +80,7 @@ from ..engines.tcp import TcpEngine
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, place, verify
+from . import checks, waiting
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .fetch import Fetch, FetchError
@@ -126,12 +136,16 @@ class Endpoint:
         self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s)
         # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
         # our pins and pending unpublish at the hub; a newer process under our name
-        # fences this one (contract 3).
+        # fences this one (contract 3). A supervised runner's first Endpoint takes the
+        # id its supervisor chose (TH_INCARNATION, consumed once), so the supervisor can
+        # deregister exactly this incarnation when the process dies (agent.supervise).
+        incarnation = os.environ.pop("TH_INCARNATION", "") or uuid.uuid4().hex
         self.info = msgspec.structs.replace(info, engine=self.engine.kind, engine_meta=self.peer.address.encode(),
-                                            incarnation=uuid.uuid4().hex)
+                                            incarnation=incarnation)
         self.incarnation = self.info.incarnation
         # transfers that could not be released yet (contract 3: they stay pinned)
-        self.zombies = Zombies(self.name, self.incarnation, lambda key: key in self._replicas, call_timeout_s)
+        self.zombies = Zombies(self.name, self.incarnation, self._replicas.get, call_timeout_s,
+                               hub_call=self._call_once, drain_timeout_s=drain_timeout_s)
         self._hub = hub
         # One hub socket per calling thread, used only by it: a thread waiting for a
         # deferred reply (an unpublish's drain, minutes) holds up no other thread's
@@ -162,6 +176,18 @@ class Endpoint:
             raise HubError(p.Error(code="fenced", message=self.service.fenced))
         return self._rpc().call(op, timeout=timeout)
 
+    def _call_once(self, op: p.Op, timeout: float) -> p.Body:
+        """``_call`` on a socket of its own, closed here: for short-lived threads (a
+        zombie's withdrawal), whose socket ``close`` must not close under them."""
+        self._check_open()
+        if self.service.fenced:
+            raise HubError(p.Error(code="fenced", message=self.service.fenced))
+        client = HubClient(self._hub, self._token, source=self.host)
+        try:
+            return client.call(op, timeout=timeout)
+        finally:
+            client.close()
+
     def _rpc(self) -> HubClient:
         """This thread's hub socket (made on its first call). Sockets of threads that
         ended are closed here: no thread uses them any more."""
@@ -188,8 +214,16 @@ class Endpoint:
                                 f"within {timeout:.0f}s ({self.service.last_error or 'no answer'})")
 
     def holdings(self) -> list[p.Holding]:
+        """What a (re-)registration carries: every replica, and the reads in flight of
+        each, zombies included (contract 3: a restarted hub must pin them again)."""
         with self._lock:
-            return [h.holding() for h in self._replicas.values()]
+            out = {h.key: h.holding() for h in self._replicas.values()}
+        for extra in self.zombies.holdings():
+            have = out.setdefault((extra.model, extra.version), extra)
+            if have is not extra and have.rank < 0:  # the failed fetch that left them is still letting go
+                known = {r.chunk for r in have.reading}
+                have.reading = have.reading + [r for r in extra.reading if r.chunk not in known]
+        return list(out.values())
 
     def holds_memory(self) -> bool:
         return bool(self._replicas)
@@ -225,12 +259,15 @@ class Endpoint:
     def publish(self, model: str, version: int, state_dict: dict, shard: tuple[int, int] = (0, 1),
                 *, chunk_bytes: Optional[int] = None, timeout: float = 10.0) -> p.Manifest:
         self._check_open()
-        manifest, placed = lay_out(state_dict, chunk_bytes or self.chunk_bytes, self.small_bytes)
+        model, version = checks.model(model), checks.version(version)
+        state_dict, (rank, world) = checks.state_dict(state_dict), checks.shard(shard)
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else checks.count(chunk_bytes, "chunk_bytes")
+        timeout = checks.seconds(timeout, "timeout")
+        manifest, placed = lay_out(state_dict, chunk_bytes, self.small_bytes)
         busy = [h for h in self._held() if h.overlaps(placed.regions)]
         if busy:
             raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                                 "unpublish that version before publishing its memory again")
-        rank, world = shard
         held = self._register(model, version, world, [manifest], rank, placed)
         self._add(held)
         try:
@@ -273,22 +310,24 @@ class Endpoint:
         raise EndpointError(f"{what}; withdrawn at the hub, the tensors are the caller's again") from cause
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
-              timeout: float = 60.0, window: int = 4, read_timeout: Optional[float] = None,
+              timeout: float = 60.0, wait: bool = True, window: int = 4, read_timeout: Optional[float] = None,
               plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0) -> int:
-        """``timeout``: the whole fetch; ``read_timeout``/``plan_timeout``: one chunk
-        read / plan round trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);
-        ``resolve_timeout``: naming the version (at most ``timeout``)."""
+        """``timeout``: the whole fetch, waiting for the version included; ``wait``:
+        wait for a version not READY yet (False: ``VersionNotFound`` at once; see
+        ``waiting``); ``read_timeout``/``plan_timeout``: one chunk read / plan round
+        trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);
+        ``resolve_timeout``: one round trip naming the version (at most ``timeout``)."""
         self._check_open()
-        try:
-            number = None if version == "latest" else int(version)
-        except (TypeError, ValueError):
-            raise EndpointError(f"fetch(version=...) takes an int or \"latest\", not {version!r}") from None
-        if not (callable(into) or isinstance(into, dict)):
-            raise EndpointError(f"fetch(into=...) takes a state_dict (name -> tensor) or a callable making one "
-                                f"from the manifests, not {type(into).__name__}")
+        model, number = checks.model(model), checks.version(version, latest=True)
+        into, group = checks.into(into), checks.group(group)
+        timeout, window = checks.seconds(timeout, "timeout"), checks.count(window, "window")
+        read_timeout = checks.optional_seconds(read_timeout, "read_timeout")
+        plan_timeout = checks.optional_seconds(plan_timeout, "plan_timeout")
+        resolve_timeout = checks.seconds(resolve_timeout, "resolve_timeout")
         deadline = time.monotonic() + timeout
-        resolved = self._call(p.Resolve(name=self.name, model=model, version=number, group=group),
-                              timeout=min(resolve_timeout, timeout))
+        resolved = waiting.resolve(self._call, p.Resolve(name=self.name, model=model, version=number, group=group),
+                                   deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
+                                   timeout=timeout)
         held = self._replicas.get((model, resolved.version))
         while held is not None and held.rank < 0 and len(held.held) < len(held.placed.views) \
                 and time.monotonic() < deadline:
@@ -309,7 +348,7 @@ class Endpoint:
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
         for old in [h for h in self._held() if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-        self.zombies.wait_for((model, resolved.version), deadline)
+        self.zombies.wait_for((model, resolved.version), deadline, self._call)
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
         self._add(held)
         job = Fetch(self, held, deadline, window,
@@ -340,7 +379,7 @@ class Endpoint:
         if left:
             log.warning("%s: %d read(s) of %s@%s did not stop within %.1fs; they stay pinned until they do",
                         self.name, len(left), held.model, held.version, self.call_timeout_s)
-            self.zombies.add(*left)
+            self.zombies.add(*left, origin=held)
             release: p.Op = job.unpinned()
         else:
             release = p.Cancel(name=self.name, model=held.model, version=held.version, incarnation=self.incarnation)
@@ -354,6 +393,7 @@ class Endpoint:
 
     def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
         self._check_open()
+        model, version, timeout = checks.model(model), checks.version(version), checks.seconds(timeout, "timeout")
         held = self._replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
@@ -380,6 +420,8 @@ class Endpoint:
     def verify(self, model: str, version: int, into: dict) -> list[str]:
         """Every way ``into`` differs from the manifest of ``model@version`` as this
         endpoint holds it (empty: byte for byte the version). Re-reads ``into``."""
+        self._check_open()
+        model, version, into = checks.model(model), checks.version(version), checks.state_dict(into, "into")
         held = self._replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
@@ -402,6 +444,8 @@ class Endpoint:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
         or a callable that makes one from the manifests). The default command handler
         (``SyncCommands``) and the agent's both fetch into it."""
+        self._check_open()
+        model, into = checks.model(model), checks.into(into)
         self.sync_into[model] = into
 
     def report(self, cmd: p.Command, kind: str, message: str = "", *, timeout: Optional[float] = None) -> None:
@@ -414,10 +458,17 @@ class Endpoint:
             log.warning("%s: report of %s lost: %s", self.name, kind, exc)
 
     def versions(self, model: Optional[str] = None, *, timeout: Optional[float] = None) -> list[p.VersionStatus]:
+        """The hub's view of ``model``'s versions (None: every model's)."""
+        self._check_open()
+        model = None if model is None else checks.model(model)
+        timeout = checks.optional_seconds(timeout, "timeout")
         return self._call(p.Versions(model=model), self.call_timeout_s if timeout is None else timeout).versions
 
     def close(self, drain_timeout: float = 30.0) -> None:
-        """``drain_timeout``: per replica, for its unpublish (0: no drain, just leave)."""
+        """``drain_timeout``: per replica, for its unpublish, and once more for reads a
+        failed fetch left behind (zombies) to stop and be cancelled at the hub before we
+        deregister, which drops every pin of ours (0: no drain, just leave)."""
+        drain_timeout = checks.seconds(drain_timeout, "drain_timeout", zero=True)
         if getattr(self, "_closed", False):
             return
         self._closed = True
@@ -427,6 +478,7 @@ class Endpoint:
                     self.unpublish(held.model, held.version, timeout=drain_timeout)
                 except Exception as exc:
                     log.warning("close: %s", exc)
+            self._await_zombies(drain_timeout)
         self.service.stop()
         self._shut = True
         for held in self._held():
@@ -439,6 +491,19 @@ class Endpoint:
         self.tcp.close()
         self.engine.close()
         self.verifiers.shutdown(wait=True, cancel_futures=True)
+
+    def _await_zombies(self, timeout: float) -> None:
+        """Reap (on this thread too, so not a beat apart) until no zombie is left, for up
+        to ``timeout`` seconds; then say what we gave up on (deregistering drops its pins,
+        and the engine's close stops what still runs)."""
+        deadline = time.monotonic() + timeout
+        while not self.zombies.idle() and time.monotonic() < deadline and not self.service.fenced:
+            self.zombies.reap(self._call)
+            time.sleep(0.02)
+        left = self.zombies.pending()
+        if left:
+            log.warning("close of %s: gave up after %.1fs waiting for %s; deregistering anyway",
+                        self.name, timeout, "; ".join(left))
 
     def __enter__(self) -> "Endpoint":
         return self

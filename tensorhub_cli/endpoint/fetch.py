@@ -39,16 +39,13 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 from ..engines import wire
 from ..engines.base import EngineError, Pair
+from ..errors import FetchError  # (defined with the rest of the public errors; importable from here)
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
 from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
 from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
-
-
-class FetchError(RuntimeError):
-    pass
 
 
 class Fetch:
@@ -325,8 +322,8 @@ class Fetch:
                     self._stopped(chunk)
             time.sleep(0.001)
         h = self.held
-        left = [Zombie(s.engine, s.xfer, h.model, h.version, p.Read(chunk=c, source=s.source))
-                for c, s in self.stopping.items()]
+        left = [Zombie(s.engine, s.xfer, h.model, h.version, p.Read(chunk=c, source=s.source), h.world,
+                       tuple(h.shards)) for c, s in self.stopping.items()]
         self.stopping.clear()
         return left
 

@@ -68,10 +68,13 @@ class Stopping:
 class Zombie:
     """A transfer that could not be released yet; the endpoint retries later. ``read``
     set: one a failed fetch left pinned at the hub, reported once it stopped (for
-    ``model@version``)."""
+    ``model@version``, whose ``world`` and ``shards`` a re-registration carries so a
+    restarted hub pins it again: contract 3)."""
 
     engine: Engine
     xfer: object
     model: str = ""
     version: int = 0
     read: p.Read | None = None
+    world: int = 0
+    shards: tuple[p.Manifest, ...] = ()

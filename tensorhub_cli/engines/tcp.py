@@ -21,23 +21,32 @@ started yet is cancelled; a running one has its socket shut down, which ends its
 blocking receive at once. ``release`` returns True only once the read's thread is
 done with the memory; until then the caller keeps the transfer and asks again.
 
+Closing. ``close(timeout)`` refuses new reads, stops every read still pending (as
+``release`` does) and waits up to ``timeout`` (5 s) for their threads to end, so once
+it returns no read of this engine writes into memory again. A read it could not see
+end in time is logged by count: told to stop, it writes nothing more once its dial or
+its receive of bytes already buffered returns.
+
 Holder side: nothing here. The endpoint's peer server answers ``ReadBytes`` with
 ``engines.serve`` for every engine, so registration only refuses device memory.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 from . import wire
 from .base import Engine, EngineError, Pair, Region, State, host_view
 
 
 IDLE_S = 60.0
+log = logging.getLogger("tensorhub.engine")
 
 
 class _Stale(Exception):
@@ -83,6 +92,8 @@ class TcpEngine(Engine):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="th-tcp")
         self._conns: dict[str, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
+        self._reads: set[TcpRead] = set()  # not ended yet: what close must stop and wait for
+        self._closed = False
 
     def register(self, regions: list[Region]) -> object:
         if any(r.device >= 0 for r in regions):
@@ -102,8 +113,17 @@ class TcpEngine(Engine):
         if device >= 0:
             raise EngineError("the tcp engine reads into host memory only")
         xfer = TcpRead()
-        xfer.future = self._pool.submit(self._read, str(peer), pairs, xfer)
+        with self._lock:  # (a read started beside close would escape its wait)
+            if self._closed:
+                raise EngineError("the tcp engine is closed")
+            self._reads.add(xfer)
+            xfer.future = self._pool.submit(self._read, str(peer), pairs, xfer)
+        xfer.future.add_done_callback(lambda _: self._ended(xfer))
         return xfer
+
+    def _ended(self, xfer: TcpRead) -> None:
+        with self._lock:
+            self._reads.discard(xfer)
 
     def _conn(self, address: str) -> tuple[socket.socket, bool]:
         """A connection to ``address``, and whether it was used before."""
@@ -197,7 +217,19 @@ class TcpEngine(Engine):
         xfer.stop()
         return xfer.future.done()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every pending read and wait up to ``timeout`` seconds for each to end
+        (see the module's docstring); then drop the pooled connections."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._reads)
+        for xfer in pending:
+            if not xfer.future.cancel():
+                xfer.stop()
+        _, running = wait_futures([x.future for x in pending], timeout=timeout)
+        if running:
+            log.warning("tcp engine closed with %d read(s) still running after %.1fs, told to stop",
+                        len(running), timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for idle in self._conns.values():

@@ -16,18 +16,8 @@ from collections import deque
 
 import zmq
 
+from ..errors import HubError, HubUnreachable  # (defined with the rest of the public errors)
 from . import protocol as p
-
-
-class HubError(Exception):
-    def __init__(self, error: p.Error):
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-        self.code = error.code
-
-
-class HubUnreachable(Exception):
-    pass
 
 
 class HubClient:

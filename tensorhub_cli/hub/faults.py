@@ -4,10 +4,12 @@
   service as an ``Error`` with its code.
 - ``Acked``: a deferred unpublish acknowledgement, queued once its drain completed
   (``ok``) or its endpoint was dropped meanwhile (not ``ok``).
-- ``Send``: a hub → endpoint command (retain, release, fetch, load), pushed by the
-  service on the endpoint's control socket.
+- ``Answered``: a deferred operator request (``Withdraw``) is answered, for everyone
+  waiting on its key.
+- ``Send``: a hub → endpoint command (retain, release, fetch, load, unpublish), pushed
+  by the service on the endpoint's control socket.
 
-Both outbound kinds are queued on the state and taken with ``take_outbound()``.
+The outbound kinds are queued on the state and taken with ``take_outbound()``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ class Acked:
     model: str
     version: int
     ok: bool = True
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A deferred operator request is answered (a ``Withdraw``): the service sends
+    ``body`` to everyone waiting on ``key``."""
+
+    key: tuple
+    body: p.Body
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """The hub's state machine: pure, no sockets, time injected.
 
 Protocol: every operation is a method ``op(now, msg)`` returning a reply body, or
-``None`` for an unpublish whose acknowledgement is deferred, or raising ``HubFault``
-with the state unchanged. ``expire(now)`` and ``settle(now)`` must be called
-periodically (the service's sweep). Deferred acknowledgements (``Acked``) and hub →
-endpoint commands (``Send``) are queued; take them with ``take_outbound()`` after each
-call and deliver them.
+``None`` for an unpublish or a withdrawal whose answer is deferred, or raising
+``HubFault`` with the state unchanged. ``expire(now)`` and ``settle(now)`` must be
+called periodically (the service's sweep). Deferred acknowledgements (``Acked``: an
+unpublish; ``Answered``: a withdrawal, for its ``withdraw_key``) and hub → endpoint
+commands (``Send``) are queued; take them with ``take_outbound()`` after each call and
+deliver them.
 
 State is soft (contract 7): it can be rebuilt entirely from endpoints re-registering
 what they hold and what they are reading. For ``grace_s`` after start no unpublish is
@@ -20,7 +21,7 @@ publishing    publish, shard assembly, restore on re-register (1, 7)
 resolving     resolve, latest, group rounds (1, 2)
 reading       plan (through ``planner``), progress, cancel (5, 6, 8)
 draining      unpublish, drain, retention pulls, dropping old versions (3, 4)
-commands      sync, load, note, report (operator → endpoints)
+commands      sync, load, withdraw, note, report (operator → endpoints)
 views         versions, status
 ============  ==========================================================
 """
@@ -29,10 +30,10 @@ from __future__ import annotations
 
 from . import commands, draining, membership, publishing, reading, resolving, views
 from . import protocol as p
-from .faults import Acked, HubFault, Send
-from .state import HubConfig, HubState
+from .faults import Acked, Answered, HubFault, Send
+from .state import HubConfig, HubState, withdraw_key
 
-__all__ = ["Acked", "Hub", "HubConfig", "HubFault", "Send"]
+__all__ = ["Acked", "Answered", "Hub", "HubConfig", "HubFault", "Send", "withdraw_key"]
 
 
 class Hub(HubState):
@@ -82,6 +83,10 @@ class Hub(HubState):
 
     def load_checkpoint(self, now: float, op: p.Load) -> p.Ok:
         return commands.load_checkpoint(self, now, op)
+
+    def withdraw(self, now: float, op: p.Withdraw) -> None:
+        """Deferred: an ``Answered`` is queued once the targeted replicas are gone, or at the deadline."""
+        return commands.withdraw(self, now, op)
 
     def events_since(self, now: float, op: p.Events) -> p.EventsReply:
         return commands.events_since(self, now, op)

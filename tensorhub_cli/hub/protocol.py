@@ -4,8 +4,9 @@ Framing. A client (DEALER) sends one frame: a msgpack ``Request`` envelope carry
 protocol version ``v``, the cluster ``token``, a request id ``rid`` chosen by the client,
 and exactly one operation body. The hub (ROUTER) answers each request with one
 ``Reply`` carrying the same ``rid``; a reply may come later than other replies
-(``Unpublish`` is acknowledged only after its drain). The hub may also push ``Reply``
-frames with ``rid == 0`` to an agent (a ``Command``, e.g. a retention pull).
+(``Unpublish`` is acknowledged only after its drain, ``Withdraw`` once its replicas
+are gone). The hub may also push ``Reply`` frames with ``rid == 0`` to an endpoint
+(a ``Command``, e.g. a retention pull).
 
 Rules. A frame larger than ``MAX_FRAME`` bytes, one that does not decode, one with a
 foreign ``v`` or a token that does not match is answered with an ``Error`` and counted;
@@ -220,8 +221,25 @@ class Events(Msg, tag="events"):
     since: int = 0
 
 
+class Withdraw(Msg, tag="withdraw"):
+    """An operator withdraws ``model@version`` (``th unpublish``): every replica of it,
+    or only those of endpoints on ``node``. Each is drained at once (no new reads; the
+    reads in flight finish first, contract 3) and its holder is sent an ``unpublish``
+    command to let its memory go. Answered, deferred, with ``Withdrawn`` once none of
+    those replicas is left, or ``Error(timeout)`` naming who still holds it after
+    ``timeout_s``. Without ``node`` the version itself is withdrawn: retention makes no
+    copy of it and holds no last copy back (contract 4 no longer covers it); with
+    ``node`` the version stays published elsewhere and retention still applies, its
+    copies made off that node."""
+
+    model: str
+    version: int
+    node: str = ""
+    timeout_s: float = 60.0
+
+
 Op = Union[Register, Heartbeat, Deregister, Publish, Resolve, Plan, Progress, Cancel, Unpublish, Status, Versions,
-           Sync, Load, Report, Note, Events]
+           Sync, Load, Report, Note, Events, Withdraw]
 
 
 class Request(Msg):
@@ -236,7 +254,8 @@ class Request(Msg):
 
 class Error(Msg, tag="error"):
     # auth, malformed, too_large, version, internal (refused by the service); unknown_endpoint,
-    # conflict, not_found, not_ready, unavailable, draining (refused by the hub's state machine)
+    # conflict, not_found, not_ready, unavailable, draining, bad_request (refused by the hub's state
+    # machine); timeout (a deferred answer: a Withdraw not done within its timeout_s)
     code: str
     message: str
     missing: list[int] = []  # for code == "unavailable": chunk ids no live endpoint holds
@@ -272,9 +291,11 @@ class Command(Msg, tag="command"):
     """Hub → endpoint. ``retain`` (to an agent): pull ``model@version`` into host memory
     and hold it. ``fetch``: fetch it (``th sync``). ``load`` (to an agent): load the
     safetensors file at ``path`` and publish it as ``model@version`` (``th publish``).
-    ``release`` (to an agent): the hub forgot that version; free the copy of it."""
+    ``release`` (to an agent): the hub forgot that version; free the copy of it.
+    ``unpublish`` (``th unpublish``, to any holder): the hub withdrew that version from
+    us (our replica drains there already); unpublish it to let the memory go."""
 
-    action: Literal["retain", "fetch", "load", "release"]
+    action: Literal["retain", "fetch", "load", "release", "unpublish"]
     model: str
     version: int
     path: str = ""
@@ -355,7 +376,15 @@ class EventsReply(Msg, tag="events"):
     last_seq: int = 0
 
 
-Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply, EventsReply]
+class Withdrawn(Msg, tag="withdrawn"):
+    """A ``Withdraw`` is done: ``endpoints`` let their replicas go (drained)."""
+
+    model: str
+    version: int
+    endpoints: list[str] = []
+
+
+Body = Union[Error, Ok, Resolved, Planned, Command, Synced, StatusReply, VersionsReply, EventsReply, Withdrawn]
 
 
 class Reply(Msg):

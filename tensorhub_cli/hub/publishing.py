@@ -6,20 +6,36 @@ shard's chunk range, and the version is READY once live holders cover every chun
 ``restore`` rebuilds a version from a re-registering endpoint's holding after a hub
 restart: its replica, and its reads in flight as pins, so a drain cannot be judged
 complete before every live reader has told the hub what it is reading.
+
+A ``Publish`` whose model name does not match ``names.MODEL_PATTERN`` is refused
+``bad_request``, and one adding to a version an operator is withdrawing ``conflict``.
 """
 
 from __future__ import annotations
 
+from ..names import check_model
 from ..planner import join
 from . import protocol as p
-from .draining import drop_old, settle
+from .draining import drop_old, settle, withdrawn_numbers
 from .faults import HubFault
 from .registry import READY, Replica, Version
 from .state import HubState
 
 
+def model_name(name: str) -> str:
+    """``name``, or a ``bad_request`` fault naming the field and the pattern."""
+    try:
+        return check_model(name)
+    except ValueError as exc:
+        raise HubFault("bad_request", str(exc)) from None
+
+
 def publish(hub: HubState, now: float, op: p.Publish) -> p.Ok:
     hub.endpoint(op.name, op.incarnation)
+    model_name(op.model)
+    if op.version in withdrawn_numbers(hub).get(op.model, ()):
+        raise HubFault("conflict", f"{op.model}@{op.version} is being withdrawn (th unpublish); publish it "
+                                   "again once that is done")
     known = hub.models.get(op.model, {}).get(op.version)
     was = known.state if known else None
     v = add_shard(hub, op.name, op.model, op.version, op.rank, op.world, op.manifest)

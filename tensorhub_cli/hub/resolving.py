@@ -1,6 +1,8 @@
 """Resolving a version for a reader (contracts 1 and 2).
 
-Only READY versions resolve; ``latest`` is the highest READY one. A reader that names
+Only READY versions resolve; ``latest`` is the highest READY one. A version an operator
+is withdrawing whole (``th unpublish``, ``commands.withdraw``) no longer resolves: it is
+``not_found`` by number and never ``latest``. A reader that names
 a ``group`` resolves ``latest`` inside that group's open round (``groups.Round``), so
 every member gets the same version even when a newer one becomes READY mid-round.
 """
@@ -8,6 +10,7 @@ every member gets the same version even when a newer one becomes READY mid-round
 from __future__ import annotations
 
 from . import protocol as p
+from .draining import withdrawn_numbers
 from .faults import HubFault
 from .groups import Round, round_over
 from .registry import READY, UNAVAILABLE, Version
@@ -21,6 +24,8 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
         raise HubFault("not_found", f"model {op.model!r} has no versions")
     if op.version is not None:
         v = hub.version(op.model, op.version)
+        if v.number in withdrawn_numbers(hub).get(op.model, ()):
+            raise HubFault("not_found", f"{v.model}@{v.number} is being withdrawn (th unpublish)")
         require_ready(v, now < hub.grace_until)
         return _resolved(v, 0)
     if op.group is None:
@@ -46,7 +51,8 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
 
 
 def latest(hub: HubState, model: str) -> Version:
-    ready = [v for v in hub.models.get(model, {}).values() if v.state == READY]
+    gone = withdrawn_numbers(hub).get(model, ())
+    ready = [v for v in hub.models.get(model, {}).values() if v.state == READY and v.number not in gone]
     if not ready:
         raise HubFault("not_found", f"model {model!r} has no READY version")
     return max(ready, key=lambda v: v.number)

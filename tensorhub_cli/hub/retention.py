@@ -1,6 +1,8 @@
 """Retention (contract 4): which versions must keep copies, and who can make one.
 
-Per model, the ``keep_latest`` highest once-READY versions are *retained*. A retained
+Per model, the ``keep_latest`` highest once-READY versions are *retained*, leaving out
+versions an operator withdrew (``th unpublish``): those get no copy, and their last
+copy is not held back, so the next older version moves into keep_latest. A retained
 version is *short* when its non-draining replicas no longer cover the manifest, or
 fewer than ``min_reliable_copies`` of them are complete copies on reliable endpoints.
 A short version gets a host-tier copy: an agent is asked to pull and publish it, and
@@ -21,8 +23,10 @@ class Policy:
     min_reliable_copies: int = 1
 
 
-def retained(versions: dict[int, Version], policy: Policy) -> list[int]:
-    return sorted((n for n, v in versions.items() if v.ever_ready), reverse=True)[: policy.keep_latest]
+def retained(versions: dict[int, Version], policy: Policy, withdrawn=frozenset()) -> list[int]:
+    """The retained version numbers, newest first; ``withdrawn``: numbers left out."""
+    return sorted((n for n, v in versions.items() if v.ever_ready and n not in withdrawn),
+                  reverse=True)[: policy.keep_latest]
 
 
 def _live_copies(version: Version, reliable) -> tuple[bool, int]:

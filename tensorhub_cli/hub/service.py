@@ -21,7 +21,7 @@ import zmq
 
 from . import protocol as p
 from .faults import Acked, HubFault, Send
-from .machine import Hub
+from .machine import Answered, Hub, withdraw_key
 
 log = logging.getLogger("tensorhub.hub")
 BATCH = 256  # requests answered per event-loop wake-up; bounds how long a sweep can wait
@@ -43,6 +43,7 @@ _DISPATCH = {
     p.Report: "report",
     p.Note: "note",
     p.Events: "events_since",  # (Hub.events is the log itself)
+    p.Withdraw: "withdraw",
 }
 _CONTROL = (p.Register, p.Heartbeat)  # an endpoint's service socket: where pushes go
 
@@ -66,7 +67,8 @@ class HubService:
         # both take this lock (uncontended but for scrapes: ~0.1 µs an op).
         self.lock = threading.Lock()
         self.idents: dict[str, bytes] = {}
-        self.waiters: dict[tuple[str, str, int], list[tuple[bytes, int]]] = {}
+        # deferred answers: (name, model, version) of an Unpublish, or a Withdraw's withdraw_key
+        self.waiters: dict[tuple, list[tuple[bytes, int]]] = {}
 
     def _reply(self, rid: int, body: p.Body) -> bytes:
         return p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=rid, body=body))
@@ -120,9 +122,11 @@ class HubService:
             self.idents[name] = ident
         self.hub.count("ops")
         out = []
-        if body is None:  # deferred: an unpublish waiting for its drain
+        if body is None:  # deferred: an unpublish waiting for its drain, a withdrawal for its replicas to go
             op = req.op
-            self.waiters.setdefault((op.name, op.model, op.version), []).append((ident, req.rid))
+            key = withdraw_key(op.model, op.version, op.node) if isinstance(op, p.Withdraw) else (
+                op.name, op.model, op.version)
+            self.waiters.setdefault(key, []).append((ident, req.rid))
         else:
             out.append((ident, self._reply(req.rid, body)))
         return out + self.outbound()
@@ -135,6 +139,9 @@ class HubService:
                     code="expired", message=f"{event.endpoint} expired before {event.model}@{event.version} drained")
                 for ident, rid in self.waiters.pop((event.endpoint, event.model, event.version), []):
                     out.append((ident, self._reply(rid, body)))
+            elif isinstance(event, Answered):
+                for ident, rid in self.waiters.pop(event.key, []):
+                    out.append((ident, self._reply(rid, event.body)))
             elif isinstance(event, Send) and event.endpoint in self.idents:
                 out.append((self.idents[event.endpoint], self._reply(0, event.body)))
         return out

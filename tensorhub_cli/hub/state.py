@@ -1,7 +1,8 @@
 """The hub's tables: what the concern modules read and change. Pure data, no I/O.
 
 ``HubState`` holds every table (endpoints, versions, group rounds, read loads, the
-topology index, counters, the event log) and the few accessors every concern uses.
+topology index, operators' withdrawals, counters, the event log) and the few accessors
+every concern uses.
 The operations live in one module per concern (``membership``, ``publishing``,
 ``resolving``, ``reading``, ``draining``, ``commands``, ``views``); ``machine.Hub``
 is their one entry point. Time is never read here: every call is given ``now``.
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..planner import Asking, Place
 from . import protocol as p
-from .faults import Acked, HubFault, Send
+from .faults import Acked, Answered, HubFault, Send
 from .groups import Round
 from .registry import Version
 from .retention import Policy
@@ -40,6 +41,30 @@ class HubConfig:
     # one), so the reader whose report comes with its next plan cannot take every
     # freed read.
     max_reads_per_source: int = 4
+
+
+@dataclass
+class Withdrawal:
+    """An operator's ``Withdraw`` of one version (every holder, or those on ``node``)
+    in progress. It stays until none of its replicas is left, even once answered with a
+    timeout: the drains it started go on, and retention must keep treating the version
+    (or the node) as withdrawn until they end."""
+
+    version: Version  # this very version: one published again later under its number is another
+    node: str  # "": the whole version
+    timeout_s: float
+    deadline: float
+    seen: set[str] = field(default_factory=set)  # every holder it targeted (the answer names them)
+    answered: bool = False  # (timed out: the operator was told who still held it)
+
+    def targets(self, name: str, endpoints: dict) -> bool:
+        ep = endpoints.get(name)
+        return not self.node or (ep is not None and ep.info.node == self.node)
+
+
+def withdraw_key(model: str, version: int, node: str) -> tuple:
+    """Who waits for a ``Withdraw``'s deferred answer: the service's waiter key."""
+    return ("withdraw", model, version, node)
 
 
 @dataclass
@@ -75,7 +100,8 @@ class HubState:
         self.counters: dict[str, float] = {}
         self.events: deque[p.Event] = deque(maxlen=EVENTS_KEPT)
         self._event_seq = 0
-        self._outbound: list[Acked | Send] = []
+        self._outbound: list[Acked | Send | Answered] = []
+        self.withdrawals: dict[tuple, Withdrawal] = {}  # by withdraw_key
         # after a restart: rebuilt reads whose source has not re-registered yet
         self.unplaced: dict[str, list[tuple[Version, str]]] = {}
 
@@ -89,10 +115,10 @@ class HubState:
         self.events.append(p.Event(seq=self._event_seq, t=round(now - self.started_at, 3), kind=kind,
                                    endpoint=endpoint, model=model, version=version, message=message))
 
-    def queue(self, item: Acked | Send) -> None:
+    def queue(self, item: Acked | Send | Answered) -> None:
         self._outbound.append(item)
 
-    def take_outbound(self) -> list[Acked | Send]:
+    def take_outbound(self) -> list[Acked | Send | Answered]:
         """Acknowledgements and commands queued since the last call, for delivery."""
         out, self._outbound = self._outbound, []
         return out

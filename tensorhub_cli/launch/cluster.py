@@ -3,7 +3,8 @@
 Protocol of ``up``: validate → if a recorded process of the cluster still lives,
 reconcile (below) → preflight (every node reachable and able to run us) → write token
 and spec copy → start the hub → start one agent per node, through a bounded pool →
-wait until every agent has registered. Each start is recorded in ``state.json`` as it
+wait until every agent has registered → start the runners each role's ``count``
+declares (``scale``: placed, supervised by ``agent.supervise``, registered). Each start is recorded in ``state.json`` as it
 returns. Any failure tears down exactly what was started and raises ``UpError`` with
 the reason (per node: ssh errors, or the log tail of an agent that died). ``down``
 stops the recorded processes that are still ours, agents first so they can
@@ -16,7 +17,8 @@ still alive is left as it is; what died is started again with the arguments ``up
 gives it: the hub first (its preflight bind check first: SO_REUSEADDR, so the
 TIME_WAIT sockets of a killed hub do not block it), then missing agents, then, once
 every agent is registered, the recorded runners (``scale.Operator.restart``, under
-the names they had). Soft state (contract 7) does the rest: live agents and runners
+the names they had; a dead runner whose supervisor recorded that it finished, exit 0,
+is forgotten instead). Soft state (contract 7) does the rest: live agents and runners
 re-register with a restarted hub carrying their holdings, so retained copies stay.
 Each restart is recorded as it returns; a failure stops nothing that lived and
 raises ``ReconcileError`` (an ``UpError``); what it did restart stays recorded (``th down`` stops it, another
@@ -91,7 +93,8 @@ def hub_args(spec: ClusterSpec, state: ClusterState, launcher, token: str) -> li
 
 
 def agent_args(spec: ClusterSpec, state: ClusterState, launcher, node, token: str) -> list[str]:
-    return ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--node", node.name,
+    return ["--hub", state.hub_address, "--token-file", launcher.token_path(node, token), "--cluster", spec.name,
+            "--node", node.name,
             "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
             "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine,
             *endpoint_timeout_args(spec)] + (["--spot"] if node.spec.spot else [])
@@ -155,6 +158,7 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
         if problems:
             raise UpError("\n".join(problems))
         wait_registered(spec, state, launcher, timeout, call_timeout)
+        start_runners(spec, state, log)
     except SshError as exc:
         down_state(state, launcher, log=lambda *_: None)
         raise UpError(str(exc)) from None
@@ -164,6 +168,28 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
     finally:
         launcher.close()
     return state
+
+
+def start_runners(spec: ClusterSpec, state: ClusterState, log=print) -> None:
+    """The runners each role's ``count`` declares, through ``scale`` (placement,
+    supervision, waiting for registration), once every agent is registered."""
+    from . import scale
+
+    for role, declared in spec.roles.items():
+        if declared.count and role not in scale.CORE_ROLES:
+            try:
+                scale.run(spec.name, state, lambda op, change=f"{role}={declared.count}": op.scale(change), log=log)
+            except scale.ScaleError as exc:
+                raise UpError(f"roles.{role}.count: {exc}") from None
+
+
+def finished(launcher, rec) -> dict | None:
+    """The supervisor's outcome record of a dead runner that finished its work (exit
+    0, so ``th up`` forgets it instead of restarting it), else None."""
+    from ..agent.supervise import outcome_of
+
+    outcome = outcome_of(launcher.log_tail(rec, 5))
+    return outcome if outcome and outcome["exit"] == 0 and outcome["outcome"] in ("finished", "exited") else None
 
 
 def reconcile(spec: ClusterSpec, state: ClusterState, alive: list[bool], launcher, timeout: float, log=print,
@@ -185,13 +211,21 @@ def reconcile(spec: ClusterSpec, state: ClusterState, alive: list[bool], launche
         raise SpecChanged(f"cluster {spec.name!r} is running another spec: changed {', '.join(changes)}; "
                           f"nothing changed (to run this spec: `th down -c {spec.name}`, then `th up`)")
     dead = [r for r, ok in zip(state.procs, alive) if not ok]
+    living = [r for r, ok in zip(state.procs, alive) if ok]
+    done = [(r, finished(launcher, r)) for r in dead if r.role not in ("hub", "agent")]
+    for rec, outcome in [(r, o) for r, o in done if o is not None]:
+        dead.remove(rec)
+        state.procs.remove(rec)
+        log(f"forgot    {process_name(rec)} (pid {rec.pid}): it finished (exit 0, {outcome['restarts']} restarts)")
+    if any(o is not None for _, o in done):
+        write_state(state)
     hub_dead = not any(r.role == "hub" for r in state.procs) or any(r.role == "hub" for r in dead)
     agents_to_start = [n for n in spec.nodes() if not any(
         r.role == "agent" and r.node == n.name and r not in dead for r in state.procs)]
     if not dead and not agents_to_start:
         raise AlreadyRunning(f"cluster {spec.name!r} is already running: "
                              + ", ".join(f"{r.role}@{r.node} (pid {r.pid})" for r in state.procs))
-    out = Reconciled(state, left=[f"{process_name(r)} (pid {r.pid})" for r, ok in zip(state.procs, alive) if ok])
+    out = Reconciled(state, left=[f"{process_name(r)} (pid {r.pid})" for r in living])
     for what in out.left:
         log(f"left      {what}: running")
 
@@ -314,11 +348,25 @@ def down_state(state: ClusterState, launcher, log=print,
             for rec, outcome in zip(batch, outcomes):
                 results.append((rec.role, rec.node, outcome))
                 log(f"{rec.role:<7} {rec.node:<12} {outcome}")
+                if rec.role == "agent" and outcome != "stopped":  # a clean exit cleared its own store
+                    _clear_store(state, launcher, rec, log)
     finally:
         launcher.close()
     if all(not outcome.startswith("unknown") for *_, outcome in results):
         clear_state(state.cluster)
     return results
+
+
+def _clear_store(state: ClusterState, launcher, rec, log) -> None:
+    """The copies a dead agent left in its store (``agent.store``): nobody adopts them
+    once the cluster is down."""
+    from ..agent.store import StoreError, agent_dir
+    from .ssh import SshError
+
+    try:
+        launcher.remove_tree(rec.node, str(agent_dir(f"agent-{rec.node}", state.hub_address, state.cluster)))
+    except (StoreError, SshError, OSError) as exc:
+        log(f"agent   {rec.node:<12} its store was not cleared: {exc}")
 
 
 def down(name: str, log=print, stop_timeout: float = STOP_TIMEOUT_S) -> list[tuple[str, str, str]]:

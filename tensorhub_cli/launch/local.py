@@ -4,17 +4,51 @@ Each hub/agent is a detached process of this machine's Python (or the node's
 ``bootstrap.python``) that binds, or connects from, its node's 127.x address.
 Stopping waits at most the ``timeout`` and ``kill_timeout`` each call gives
 (``procs.stop``); ``logs --follow`` polls the file until the caller is interrupted.
+
+Pre-flight: the hub's ports are bound once, with SO_REUSEADDR as the hub's own
+listeners do, so the TIME_WAIT sockets a killed hub leaves pass; a port a live
+socket holds fails, naming the process psutil finds on it (pid and command line; a
+leftover hub's cluster, with the `th down` that stops it).
 """
 
 from __future__ import annotations
 
+import errno
+import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from ..spec import ClusterSpec, PlacedNode
 from .procs import KILL_TIMEOUT_S, STOP_TIMEOUT_S, ProcRecord, is_ours, log_tail, spawn, stop
+
+
+def holder(address: str, port: int) -> str:
+    """Who holds ``address:port`` (not in TIME_WAIT), as far as psutil can see: a
+    listener first, then any other socket bound there."""
+    try:
+        conns = [c for c in psutil.net_connections(kind="inet") if c.laddr and c.laddr.port == port
+                 and c.laddr.ip in (address, "0.0.0.0", "::") and c.status != psutil.CONN_TIME_WAIT]
+    except (psutil.Error, OSError):
+        return "a process psutil cannot list sockets for here"
+    conns.sort(key=lambda c: c.status != psutil.CONN_LISTEN)
+    if not conns:
+        return "a socket that was gone when looked for (try again)"
+    pid = conns[0].pid
+    if pid is None:
+        return "a process of another user (its pid is hidden from us)"
+    try:
+        cmdline = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return f"pid {pid}"
+    who = f"pid {pid} ({' '.join(cmdline)[:160]})"
+    if "tensorhub_cli.hub" in cmdline and "--cluster" in cmdline[:-1]:
+        name = cmdline[cmdline.index("--cluster") + 1]
+        who += f", the hub of cluster {name!r}: `th down -c {name}` stops it"
+    return who
 
 
 class LocalLauncher:
@@ -42,7 +76,9 @@ class LocalLauncher:
                 try:
                     s.bind((hub.spec.address, port))
                 except OSError as exc:
-                    problems.append(f"{what}: cannot bind {hub.spec.address}:{port}: {exc.strerror}")
+                    who = holder(hub.spec.address, port) if exc.errno == errno.EADDRINUSE else None
+                    problems.append(f"{what}: cannot bind {hub.spec.address}:{port}: "
+                                    + (f"in use by a live process: {who}" if who else exc.strerror))
         return problems
 
     def token_path(self, node: PlacedNode, token: str) -> str:
@@ -79,6 +115,10 @@ class LocalLauncher:
                     write(f.read())
                     offset = f.tell()
             time.sleep(0.2)
+
+    def remove_tree(self, node: str, path: str) -> None:
+        """Delete ``path`` on ``node`` (what a dead process left behind), if it exists."""
+        shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         pass

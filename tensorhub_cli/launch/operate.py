@@ -3,7 +3,10 @@
 Both ask the hub to command endpoints (``Load`` → the node's agent, ``Sync`` → the
 targets), then watch the hub's view until every target is done or has failed: a
 complete replica is success; a ``*_failed`` report, or a target the hub no longer
-lists as alive, is failure. Nothing here moves bytes.
+lists as alive, is failure. Nothing here moves bytes. A sync with no live target is
+bad input (exit 2) that names the role or node and the command that would make one
+(``th scale ROLE=N``; ``--role agent`` syncs every node's agent). Messages carry the
+hub's words, never its protocol codes.
 
 Reports are followed with the hub's ``Events`` op from the seq current when the
 command started, so every event since then is seen, however many others came in
@@ -37,8 +40,8 @@ class OperateError(Exception):
 def _call(client: HubClient, op: p.Op, timeout: float):
     try:
         return client.call(op, timeout=timeout)
-    except HubError as exc:
-        raise OperateError(str(exc), 2 if exc.code in ("not_found", "conflict", "malformed") else 1) from None
+    except HubError as exc:  # the hub's words, without its protocol code (``not_found: ``)
+        raise OperateError(exc.error.message, 2 if exc.code in ("not_found", "conflict", "malformed") else 1) from None
     except HubUnreachable as exc:
         raise OperateError(str(exc)) from None
 
@@ -96,7 +99,7 @@ def next_version(client: HubClient, model: str, call_timeout: float = CALL_TIMEO
         versions = client.call(p.Versions(model=model), timeout=call_timeout).versions
     except HubError as exc:
         if exc.code != "not_found":
-            raise OperateError(str(exc)) from None
+            raise OperateError(exc.error.message) from None
         return 1
     except HubUnreachable as exc:
         raise OperateError(str(exc)) from None
@@ -121,6 +124,23 @@ def publish_file(client: HubClient, node: str, model: str, path: str, version: i
                 return v
         time.sleep(poll_s)
     raise OperateError(f"{model}@{version} was not READY within {timeout:.0f}s (see `th logs {node}`)")
+
+
+def _sync_targets(client: HubClient, op: p.Sync, call_timeout: float) -> p.Synced:
+    """The hub's ``Sync``; no live target is bad input that says what would make one."""
+    try:
+        return client.call(op, timeout=call_timeout)
+    except HubError as exc:
+        if exc.code == "not_found" and exc.error.message.startswith("no live endpoint"):
+            if op.role is not None:
+                hint = ("every node's agent is one: see `th status`, `th up SPEC` restarts dead ones"
+                        if op.role == "agent" else f"start some with `th scale {op.role}=N`, or sync "
+                        "`--role agent` (every node's agent, into host memory)")
+                raise OperateError(f"no live endpoint has role {op.role!r}: {hint}", 2) from None
+            raise OperateError(f"no live endpoint on node {op.node!r} (is its agent up? `th status`)", 2) from None
+        raise OperateError(exc.error.message, 2 if exc.code in ("not_found", "conflict", "malformed") else 1) from None
+    except HubUnreachable as exc:
+        raise OperateError(str(exc)) from None
 
 
 @dataclass
@@ -151,7 +171,7 @@ def sync(client: HubClient, model: str, version: Optional[int], role: Optional[s
     marked failed. ``log`` hears about events the hub dropped before we read them."""
     events = Events(client, _last_seq(client, call_timeout), call_timeout, log)
     failures: dict[str, str] = {}
-    synced = _call(client, p.Sync(model=model, version=version, role=role, node=node), call_timeout)
+    synced = _sync_targets(client, p.Sync(model=model, version=version, role=role, node=node), call_timeout)
     run = SyncRun(model=model, version=synced.version, nbytes=0,
                   targets={n: Target(n) for n in synced.targets})
     deadline = time.monotonic() + timeout

@@ -27,7 +27,11 @@ Protocol of ``failover(NODE, replace_with)``: stop the node's runners (drained a
 above), then ask its agent to drain its host copies and leave (SIGUSR1), then start
 each stopped runner's role again on ``replace_with`` or any node with room. The report
 lists what moved; every READY version stays READY throughout, as long as another
-live endpoint can hold a copy.
+live endpoint can hold a copy. An agent that had already died cannot drain: it is
+reported ``gone``, with the copies the hub still listed for it as ``lost``. Either way
+the node's agent record is dropped, so the node is out of service (``th status`` says
+so) until ``th up SPEC`` on the running cluster reconciles it: an agent missing from
+the record is started again like one that died.
 
 Both record a ``scaled`` / ``failed_over`` event in the hub's log (``th status``).
 
@@ -46,11 +50,13 @@ from dataclasses import dataclass, field
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
+from ..agent.supervise import restart_args
 from .launchers import endpoint_timeout_args, launcher_for
 from .procs import ProcRecord, endpoint_name
 from .state import ClusterState, cluster_dir, read_token, write_state
 
 MODULES = {"trainer": "runners.trainer", "rollout": "runners.rollout"}
+SUPERVISOR = "tensorhub_cli.agent.supervise"  # every runner runs under one (``_launch``)
 CORE_ROLES = ("hub", "agent")
 REGISTER_TIMEOUT_S = 120.0  # default: a runner imports torch (and transformers) before it registers
 CALL_TIMEOUT_S = 5.0  # default limit of one request to the hub
@@ -76,9 +82,14 @@ class Outcome:
     started: list[str] = field(default_factory=list)  # endpoint names: "role-node" or "role-node-i"
     stopped: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)  # agents that drained their copies
+    gone: list[str] = field(default_factory=list)  # failover: agents already dead, nothing drained
+    lost: list[str] = field(default_factory=list)  # failover: the copies the hub said those held
 
     def as_dict(self) -> dict:
-        return {"started": self.started, "stopped": self.stopped, "drained": self.drained}
+        """``gone`` and ``lost`` only when a failover found its agent dead (the keys
+        scripts read before they existed stay as they were)."""
+        done = {"started": self.started, "stopped": self.stopped, "drained": self.drained}
+        return {**done, "gone": self.gone, "lost": self.lost} if self.gone else done
 
 
 def parse_change(text: str, spec: ClusterSpec, current: dict[str, int]) -> Change:
@@ -180,6 +191,14 @@ class Operator:
             args.append("--spot")
         return module, args + (runner.args if runner else [])
 
+    def _launch(self, role: str, node: PlacedNode, name: str) -> ProcRecord:
+        """Start runner ``name`` under its supervisor (``agent.supervise``), which
+        restarts it by the role's ``restart`` policy; the record is the supervisor's."""
+        module, args = self._args(role, node, name)
+        supervised = ["--name", name, *restart_args(self.spec.roles[role].restart), "--hub", self.state.hub_address,
+                      "--token-file", self.launcher.token_path(node, self.token), "--", module, *args]
+        return self.launcher.start(node, role, SUPERVISOR, supervised, name=name)
+
     def _candidates(self, role: str, alive_agents: set[str], exclude: set[str] = frozenset()) -> list[PlacedNode]:
         nodes = [n for n in self.spec.nodes() if n.spec.name not in exclude and _allowed(self.spec, role, n)
                  and n.spec.name in alive_agents and _room(n, self.state) > 0]
@@ -225,8 +244,7 @@ class Operator:
             live = {e.name for e in self.status().endpoints if e.alive}
             for node in nodes:
                 name = self._free_name(role, node.spec.name, live)
-                module, args = self._args(role, node, name)
-                rec = self.launcher.start(node, role, module, args, name=name)
+                rec = self._launch(role, node, name)
                 if name != f"{role}-{node.spec.name}":
                     rec.name = name
                 started.append(rec)
@@ -258,8 +276,7 @@ class Operator:
         try:
             for old in recs:
                 node = self.spec.node(old.node)
-                module, args = self._args(old.role, node, endpoint_name(old))
-                new = self.launcher.start(node, old.role, module, args, name=endpoint_name(old))
+                new = self._launch(old.role, node, endpoint_name(old))
                 new.name = old.name
                 self.state.procs[self.state.procs.index(old)] = new
                 pairs.append((old, new))
@@ -280,7 +297,9 @@ class Operator:
             seen = {e.name for e in self.status().endpoints if e.alive}
             want = {n: r for n, r in want.items() if n not in seen}
             for name, rec in want.items():
-                if not self.launcher.alive(rec):
+                # Its supervisor would restart it, but a runner that dies before it ever
+                # registered is a bad start (arguments, imports): fail now, all or nothing.
+                if not self.launcher.alive(rec) or f"{name}: runner exited" in self.launcher.log_tail(rec, 40):
                     raise ScaleError(f"{name} exited before registering; its log ends:\n{self.launcher.log_tail(rec)}")
             if want and time.monotonic() > deadline:
                 raise ScaleError(f"{', '.join(sorted(want))}: not registered within {self.register_timeout:.0f}s")
@@ -342,7 +361,8 @@ class Operator:
         self.prune()
         outcome = Outcome()
         runners = [r for r in _runners(self.state) if r.node == node]
-        alive = {e.node for e in self.status().endpoints if e.kind == "agent" and e.alive} - {node}
+        status = self.status()  # before anything stops: what the node's agent holds, as the hub sees it
+        alive = {e.node for e in status.endpoints if e.kind == "agent" and e.alive} - {node}
         # Where each role goes, decided before anything stops: a failover that cannot
         # place its runners changes nothing.
         plan: list[tuple[str, PlacedNode]] = []
@@ -359,15 +379,51 @@ class Operator:
             taken[pool[0].spec.name] = taken.get(pool[0].spec.name, 0) + 1
         outcome.stopped = self.stop(runners)
         agent = next((r for r in self.state.procs if r.role == "agent" and r.node == node), None)
-        if agent is not None:
+        if agent is None:
+            self.log(f"agent    {node:<12} none recorded: the node was already out of service")
+        elif self._agent_dead(agent):
+            outcome.gone = [f"agent-{node}"]
+            outcome.lost = _copies_held(status, f"agent-{node}")
+            self.state.procs.remove(agent)
+            write_state(self.state)
+            self.log(f"agent    {node:<12} agent-{node} was already gone (pid {agent.pid} had exited): nothing "
+                     "could drain; " + (f"lost its copies {', '.join(outcome.lost)}" if outcome.lost else
+                                        "the hub listed no copies for it (none held, or it had expired already: "
+                                        "see `th versions` for UNAVAILABLE versions)"))
+        else:
             self.log(f"agent    {node:<12} draining its copies (retention pulls elsewhere first) …")
             self.stop([agent], sig="USR1")
             outcome.drained = [f"agent-{node}"]
         for role, target in plan:
             outcome.started += [endpoint_name(r) for r in self.start(role, [target])]
         self.note("failed_over", f"{node}: stopped {outcome.stopped or '-'}, drained {outcome.drained or '-'}, "
+                                 f"already gone {outcome.gone or '-'}, lost {outcome.lost or '-'}, "
                                  f"started {outcome.started or '-'}", endpoint=f"agent-{node}")
         return outcome
+
+    def _agent_dead(self, agent: ProcRecord) -> bool:
+        """Whether the recorded agent has surely exited; an unreachable node is not
+        surely dead: it goes through ``stop``, whose 'unknown' keeps it recorded."""
+        from .ssh import SshError
+
+        try:
+            return not self.launcher.alive(agent)
+        except SshError:
+            return False
+
+
+def _copies_held(status: p.StatusReply, name: str) -> list[str]:
+    """``MODEL@VERSION`` of each replica the hub lists for endpoint ``name``, marked
+    ``(partial)`` or ``(last complete copy)`` where that is so."""
+    out = []
+    for v in status.versions:
+        mine = next((h for h in v.holders if h.name == name), None)
+        if mine is None:
+            continue
+        others = sum(h.complete and h.name != name for h in v.holders)
+        note = " (partial)" if not mine.complete else " (last complete copy)" if not others else ""
+        out.append(f"{v.model}@{v.version}{note}")
+    return out
 
 
 def run(name: str, state: ClusterState, action, log=print, *, drain_timeout: float | None = None,

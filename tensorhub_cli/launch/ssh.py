@@ -317,6 +317,12 @@ class SshLauncher:
             return f"(log unreadable: {exc})"
         return out.rstrip() or "(empty log)"
 
+    def remove_tree(self, node: str, path: str) -> None:
+        """Delete ``path`` on ``node`` (what a dead process left behind), if it exists."""
+        rc, _, err = self.session(node).run(f"rm -rf -- {shlex.quote(path)}")
+        if rc != 0:
+            raise SshError(f"{node}: cannot remove {path}: {err.strip()}")
+
     def logs(self, rec: ProcRecord, lines: int, follow: bool, write) -> None:
         cmd = f"tail -n {lines} {'-F ' if follow else ''}{shlex.quote(rec.log)}"
         self.session(rec.node).stream(cmd, write, idle_timeout=self.exec_timeout, forever=follow)

@@ -9,14 +9,7 @@ registered when one is raised.
 
 from __future__ import annotations
 
-
-class LayoutError(ValueError):
-    """The state_dict does not fit: ``problems`` lists every mismatch, one per line."""
-
-    def __init__(self, what: str, problems: list[str]):
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        super().__init__(f"{what}:\n  " + "\n  ".join(shown))
-        self.problems = problems
+from ..errors import LayoutError  # noqa: F401 (re-exported; defined with the rest of the public errors)
 
 
 def dtype_name(t) -> str:

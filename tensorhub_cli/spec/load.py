@@ -2,8 +2,11 @@
 
 Protocol: ``load(path)`` either returns a fully validated spec or raises ``SpecError``
 whose ``lines`` are ready to print, one per problem, as ``path.to.field: message
-(line N)``. Nothing is returned half-validated. A file that cannot be read or parsed
-is one problem with no field path.
+(line N)``. Nothing is returned half-validated. A file that cannot be read or parsed,
+is empty, is not a mapping, or nests deeper than ``MAX_DEPTH`` (checked on the event
+stream before anything recursive reads it) is one problem with no field path. A key
+YAML 1.1 reads as a boolean (``on:``, ``yes:``, ``off:``) is one problem naming the
+word as written, before field validation: ``on:`` in a role gets the ``select:`` hint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from .checks import Loc, Problem, cross_check
 from .model import ClusterSpec
 
 MAX_SPEC_BYTES = 4 << 20
+MAX_DEPTH = 32  # the deepest real spec path, topology.datacenters[].racks[].nodes[].ssh.*, is 9 levels
+_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
 
 
 class SpecError(Exception):
@@ -81,6 +86,7 @@ def read_yaml(path: Path) -> tuple[object, yaml.Node | None]:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError([f"{path}: cannot read: {exc}"]) from None
     try:
+        _check_depth(path, text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -91,11 +97,57 @@ def read_yaml(path: Path) -> tuple[object, yaml.Node | None]:
     return data, root
 
 
+def _check_depth(path: Path, text: str) -> None:
+    """Refuse nesting deeper than ``MAX_DEPTH`` from the parser's events (iterative),
+    before the composer and constructor, which recurse once per level."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError([f"{path}: nests deeper than {MAX_DEPTH} levels (line {event.start_mark.line + 1}); "
+                                 "a cluster spec is a few levels deep (see `th spec schema`)"])
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _boolean_keys(root: yaml.Node | None) -> list[str]:
+    """A line per mapping key YAML 1.1 resolved to a boolean (``on``, ``yes``, ``off``...)."""
+    problems, stack, seen = [], [(root, ())], set()
+    while stack:
+        node, loc = stack.pop()
+        if node is None or id(node) in seen:  # an alias is walked once
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:bool":
+                    where = format_loc(loc + (key.value,))
+                    if len(loc) == 2 and loc[0] == "roles" and key.value.lower() == "on":
+                        why = ("YAML 1.1 reads `on` as true; a role picks its nodes with "
+                               "`select: {nodes: [...], labels: {...}}`")
+                    else:
+                        why = f"YAML 1.1 reads the key {key.value!r} as true/false; quote it if you meant the word"
+                    problems.append(f"{where}: {why} (line {key.start_mark.line + 1})")
+                else:
+                    stack.append((value, loc + (key.value,)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, loc + (i,)) for i, item in enumerate(node.value))
+    return sorted(problems)
+
+
 def load(path: str | Path) -> ClusterSpec:
     path = Path(path)
     data, root = read_yaml(path)
+    if data is None:
+        raise SpecError([f"{path}: the file is empty; a cluster spec is a YAML mapping with name:, hub: and "
+                         "topology: (see specs/local.yaml, `th spec schema`)"])
     if not isinstance(data, dict):
-        raise SpecError([f"{path}: a cluster spec must be a YAML mapping, got {type(data).__name__}"])
+        kind = _KINDS.get(type(data), type(data).__name__)
+        raise SpecError([f"{path}: a cluster spec must be a YAML mapping (name:, hub:, topology:, ...), got {kind}"])
+    flagged = _boolean_keys(root)
+    if flagged:
+        raise SpecError(flagged)
     try:
         spec = ClusterSpec.model_validate(data)
     except ValidationError as err:

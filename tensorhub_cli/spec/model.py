@@ -12,10 +12,11 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from ..names import MODEL_PATTERN
+
 # Names end up in file paths, ZeroMQ identities and metric labels: keep them plain.
-Name = Annotated[
-    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-]
+# One rule for every name, models' included (``names``).
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=MODEL_PATTERN)]
 
 
 class Strict(BaseModel):
@@ -116,8 +117,24 @@ class Runner(Strict):
     args: list[str] = Field(default_factory=list)
 
 
+class RestartSpec(Strict):
+    """What a runner's supervisor (``agent.supervise``) does when the runner exits."""
+
+    policy: Literal["on-failure", "always", "never"] = Field(
+        default="on-failure",
+        description="on-failure: restart unless it exited 0 (a trainer that finished its steps); "
+                    "always: restart whatever its exit; never: leave it dead",
+    )
+    max_restarts: int = Field(default=5, ge=0, le=10000, description="restarts allowed within window_s")
+    window_s: float = Field(default=600.0, gt=0, le=86400.0, description="the window max_restarts counts in")
+    backoff_s: float = Field(default=1.0, ge=0, le=600.0,
+                             description="wait before the first restart; doubles per restart in the window, "
+                                         "capped at 60 s")
+
+
 class RoleSpec(Strict):
-    count: int = Field(ge=0, le=100000)
+    count: int = Field(ge=0, le=100000, description="runners `th up` starts (then `th scale` changes it)")
+    restart: RestartSpec = Field(default_factory=RestartSpec, description="what happens when a runner exits")
     select: Selector = Field(default_factory=Selector, description="which nodes may run this role")
     runner: Optional[Runner] = None
     group_size: int = Field(default=1, ge=1, le=4096, description="ranks per model-parallel instance")

@@ -1,4 +1,9 @@
-"""Rich renderings of hub status (tables only; no I/O beyond the console given)."""
+"""Rich renderings of hub status (tables only; no I/O beyond the console given).
+
+The status screen: the hub line, nodes in the spec's order (a node without an agent,
+e.g. after `th failover`, is listed as out of service with the command that brings it
+back), endpoints, versions, and the hub's counters.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +24,17 @@ def _running(value: bool | None) -> str:
 
 def render_status(console: Console, state: ClusterState, status: p.StatusReply | None,
                   alive: dict[tuple[str, str], bool | None], places: dict[str, tuple[str, str]]) -> None:
-    """``alive``: (role, node) → process running (None: cannot tell); ``places``: node → (rack, dc)."""
+    """``alive``: (role, node) → process running (None: cannot tell); ``places``: node →
+    (rack, dc), in the spec's order."""
     for part in status_parts(state, status, alive, places):
         console.print(part)
 
 
 def status_parts(state: ClusterState, status: p.StatusReply | None, alive: dict[tuple[str, str], bool | None],
-                 places: dict[str, tuple[str, str]], endpoints: Table | None = None) -> list:
+                 places: dict[str, tuple[str, str]], endpoints: Table | None = None, counters: bool = True) -> list:
     """The status screen as renderables: hub line, nodes, endpoints (``endpoints``
-    replaces the plain table, e.g. with the watch view's progress), versions."""
+    replaces the plain table, e.g. with the watch view's progress), versions and,
+    with ``counters``, the hub's counters."""
     hub_rec = next((r for r in state.procs if r.role == "hub"), None)
     hub_line = f"[bold]{state.cluster}[/]  hub {state.hub_address}"
     if status is None:
@@ -40,10 +47,17 @@ def status_parts(state: ClusterState, status: p.StatusReply | None, alive: dict[
 
     seen = {e.name: e for e in status.endpoints} if status else {}
     nodes = Table("node", "rack", "dc", "agent", "alive", "heartbeat", "pid", title="nodes", title_justify="left")
-    for rec in (r for r in state.procs if r.role == "agent"):
+    agents = {r.node: r for r in state.procs if r.role == "agent"}
+    taken_out = []
+    for node in [*places, *(n for n in agents if n not in places)]:  # the spec's order, not start order
+        rec = agents.get(node)
+        rack, dc = places.get(node, ("-", "-"))
+        if rec is None:
+            taken_out.append(node)
+            nodes.add_row(node, rack, dc, "-", "[yellow]out of service[/]", "-", "-")
+            continue
         ep = seen.get(f"agent-{rec.node}")
         ok = bool(ep and ep.alive)
-        rack, dc = places.get(rec.node, ("-", "-"))
         nodes.add_row(
             rec.node,
             rack,
@@ -54,6 +68,9 @@ def status_parts(state: ClusterState, status: p.StatusReply | None, alive: dict[
             f"{rec.pid}" + _running(alive.get(("agent", rec.node))),
         )
     parts.append(nodes)
+    if taken_out:
+        parts.append(f"out of service (no agent; `th failover` takes a node out): {', '.join(taken_out)}. "
+                     "`th up SPEC` on the running cluster starts their agents again.")
     others = [e for e in (status.endpoints if status else []) if e.kind != "agent"]
     if endpoints is not None:
         parts.append(endpoints)
@@ -63,7 +80,21 @@ def status_parts(state: ClusterState, status: p.StatusReply | None, alive: dict[
             eps.add_row(e.name, e.node, e.role, "yes" if e.alive else "no", _age(e.heartbeat_age_s), str(e.replicas))
         parts.append(eps)
     parts.append(versions_table(status.versions if status else []))
+    if status is not None and counters:
+        parts.append(counters_table(status.counters))
     return parts
+
+
+def counters_table(counters: dict[str, float]):
+    """The hub's counters (plans, bytes planned by level and tier, errors by kind, ...),
+    bytes in MiB; the same numbers as ``--json`` and the Prometheus endpoint."""
+    if not counters:
+        return "hub counters: none yet"
+    t = Table("counter", "value", title="hub counters", title_justify="left")
+    for key, value in sorted(counters.items()):
+        shown = f"{value / 2**20:.1f} MiB" if key.startswith("bytes") else f"{value:.0f}"
+        t.add_row(key, shown)
+    return t
 
 
 def _names(names: list[str], shown: int = 4) -> str:

@@ -1,28 +1,43 @@
-"""Live per-endpoint progress for ``th sync`` (rich Progress: bytes, MB/s, outcome)."""
+"""Live per-endpoint progress for ``th sync`` (rich Progress: bytes, MB/s, outcome).
+
+A target that completed before a second sample existed (an instant sync: it held the
+version already, or the copy took less than one poll) has no rate: it shows ``-``,
+not rich's ``?``.
+"""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.text import Text
 
 from ..launch.operate import SyncRun
+
+
+class _Rate(TransferSpeedColumn):
+    def render(self, task) -> Text:
+        if (task.finished_speed or task.speed) is None:
+            return Text("-", style="progress.data.speed")
+        return super().render(task)
 
 
 class SyncView:
     def __init__(self, console: Console):
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-            TransferSpeedColumn(), TextColumn("{task.fields[outcome]}"), console=console, transient=False)
+            _Rate(), TextColumn("{task.fields[outcome]}"), console=console, transient=False)
         self.tasks: dict[str, int] = {}
 
     def __enter__(self) -> "SyncView":
-        self.progress.start()
-        return self
+        return self  # the bars start with the first update: a sync refused at once prints only its error
 
     def __exit__(self, *exc) -> None:
-        self.progress.stop()
+        if self.tasks:
+            self.progress.stop()
 
     def update(self, run: SyncRun) -> None:
+        if not self.tasks and run.targets:
+            self.progress.start()
         for name, t in run.targets.items():
             if name not in self.tasks:
                 self.tasks[name] = self.progress.add_task(name, total=run.nbytes or None, outcome="")

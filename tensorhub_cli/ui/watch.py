@@ -1,6 +1,8 @@
 """`th status --watch`: the status screen, refreshed, with what only a series of
-snapshots shows: each endpoint's fetch progress and rate, how long it has been
-waiting for weights, and the hub's latest events.
+snapshots shows: each endpoint's (agents' too) fetch progress and rate, how long it
+has been waiting for weights, and the hub's latest events. On a terminal the screen
+is redrawn in place (rich Live); piped or redirected, each refresh is printed in full
+after a timestamp line, so a log of it reads as a series of snapshots.
 
 One ``Status`` request per refresh (default 1 s): the hub answers it from its tables
 in one pass, so a watching operator costs the hub one small request a second.
@@ -27,7 +29,7 @@ class Watch:
 
     def render(self, now: float, state: ClusterState, status: p.StatusReply | None,
                alive: dict[tuple[str, str], bool | None], places: dict[str, tuple[str, str]]) -> Group:
-        parts = status_parts(state, status, alive, places, endpoints=self._endpoints(now, status))
+        parts = status_parts(state, status, alive, places, endpoints=self._endpoints(now, status), counters=False)
         if status is not None:
             parts.append(events_table(status.events[-EVENTS_SHOWN:]))
         return Group(*parts)
@@ -46,9 +48,7 @@ class Watch:
                 else:
                     partial[h.name] = (v, h.held_bytes)
         seen = set()
-        for e in status.endpoints:
-            if e.kind == "agent":
-                continue
+        for e in status.endpoints:  # agents too: their retained copies and `th sync` fetches are the point
             fetching = bar = rate = stall = ""
             if e.name in partial:
                 v, held = partial[e.name]
@@ -61,7 +61,7 @@ class Watch:
                 bar = ProgressBar(total=max(v.nbytes, 1), completed=held, width=20)
                 rate = f"{(held - b0) / max(now - t0, 1e-9) / 1e6:.0f}" if now > t0 else "-"
                 stall = f"{now - since:.1f}s"
-            t.add_row(e.name, e.node, e.rack or "-", e.dc or "-", e.role, "yes" if e.alive else "[red]no[/]",
+            t.add_row(e.name, e.node, e.rack or "-", e.dc or "-", e.role or e.kind, "yes" if e.alive else "[red]no[/]",
                       ", ".join(complete.get(e.name, [])[-2:]) or "-", fetching, bar, rate, stall)
         for key in [k for k in self._prev if k not in seen]:  # finished or gone: forget its history
             self._prev.pop(key, None)

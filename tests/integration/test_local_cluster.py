@@ -270,3 +270,91 @@ def test_scale_starts_two_runners_of_a_role_on_a_node_with_two_gpus(th_home, loc
         assert down["stopped"] == ["rollout-node2-1", "rollout-node2"]
     finally:
         th("down", "-c", name, timeout=200)
+
+
+def _watch_snapshots(name: str, want: int = 2, timeout: float = 30.0) -> str:
+    """`th status --watch` with stdout a pipe (not a terminal): it must print whole
+    snapshots as it goes; stopped with SIGINT, as Ctrl-C would, after ``want``."""
+    proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli", "status", "--watch", "--interval", "0.2",
+                             "-c", name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "220"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        _wait(f"{want} --watch snapshots on a pipe",
+              lambda: sum(ln.startswith("--- th status --watch") for ln in list(lines)) >= want, timeout)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+    return "".join(lines)
+
+
+def test_failover_of_a_dead_agent_says_what_was_lost_and_up_brings_the_node_back(th_home, local_spec, tmp_path):
+    """The operator path of issue 22: sync with no runner points to `th scale`; `--role
+    agent` syncs the agents; `kill -9` an agent, `th failover` says it was already gone
+    and which copies the hub listed for it; `th status` keeps the node (spec order,
+    out of service) and shows the hub counters; `--watch` on a pipe prints snapshots
+    listing agents; `th up` brings the node back; a second `th down` is exit 0."""
+    import torch
+    from safetensors.torch import save_file
+
+    doc = yaml.safe_load(local_spec.read_text())
+    doc["hub"]["expiry_s"] = 5.0  # the hub still lists the killed agent (and its copy) when failover asks
+    local_spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    name = doc["name"]
+    th("up", str(local_spec), check=True)
+    procs = recorded(th_home, name)
+    try:
+        ckpt = tmp_path / "ckpt.safetensors"
+        save_file({"w": torch.arange(100_000, dtype=torch.float32)}, str(ckpt))
+        th("publish", "policy", "--from", str(ckpt), "--node", "node3", "-c", name, check=True)
+        none = th("sync", "policy", "--role", "rollout", "-c", name)
+        assert none.returncode == 2, none.stderr
+        assert none.stderr.splitlines() == ["th sync: no live endpoint has role 'rollout': start some with "
+                                            "`th scale rollout=N`, or sync `--role agent` (every node's agent, "
+                                            "into host memory)"], none.stderr
+        synced = th("sync", "policy", "--role", "agent", "-c", name, "--json", check=True)
+        assert sorted(json.loads(synced.stdout)["targets"]) == ["agent-node1", "agent-node2", "agent-node3"]
+
+        # node1 goes: its agent was started first, so start order and spec order differ once it is back.
+        victim = next(r for r in procs if r.role == "agent" and r.node == "node1")
+        os.kill(victim.pid, signal.SIGKILL)
+        _wait("node1's agent to die", lambda: not is_ours(victim))
+        failed = th("failover", "node1", "-c", name, check=True)
+        assert "already gone: agent-node1" in failed.stdout and "lost: policy@1" in failed.stdout, failed.stdout
+        assert "drained: -" in failed.stdout and "th up SPEC" in failed.stderr, failed.stderr
+
+        table = th("status", "-c", name).stdout
+        row = next(ln for ln in table.splitlines() if "node1" in ln and "rack1" in ln)
+        assert "out of service" in row, table
+        assert status_json(name)["out_of_service"] == ["node1"]
+        assert "hub counters" in table and "publishes" in table and "bytes_planned" in table, table
+
+        snapshots = _watch_snapshots(name)
+        endpoints_table = snapshots.split("endpoints")[1].split("versions")[0]
+        assert "│ agent-node2 │ node2" in endpoints_table and "policy@1" in endpoints_table, snapshots
+
+        back = th("up", str(local_spec), check=True)
+        assert "restarted agent@node1 (pid" in back.stdout, back.stdout
+        after = recorded(th_home, name)
+        assert [r.node for r in after if r.role == "agent"][-1] == "node1"  # recorded last ...
+        table = th("status", "-c", name).stdout
+        rows = [ln for ln in table.splitlines() if "rack1" in ln]
+        assert [r.split("│")[1].strip() for r in rows] == ["node1", "node2", "node3"], table  # ... shown first
+        assert "out of service" not in table
+        doc = status_json(name)
+        assert agents_alive(doc) == {"node1": True, "node2": True, "node3": True} and doc["out_of_service"] == []
+        procs = after
+    finally:
+        th("down", "-c", name)
+        for rec in procs:
+            if is_ours(rec):
+                os.kill(rec.pid, signal.SIGKILL)
+    again = th("down", "-c", name)
+    assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout + again.stderr

@@ -1,15 +1,26 @@
 """`th publish --from` a safetensors file, then `th sync`, on a local cluster: every
-rollout endpoint ends up with tensors equal to the file; failures name the endpoint."""
+rollout endpoint ends up with tensors equal to the file; failures name the endpoint.
+Then the Python API as an application calls it against a real hub process: a fetch
+waits for a version not published yet (within its timeout), and every misuse raises
+one of ``tensorhub_cli``'s errors naming the argument."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+import tensorhub_cli
+from tensorhub_cli import BadArgument, EndpointError, TensorHubError, VersionNotFound, VersionTimeout
+from tensorhub_cli.launch.procs import stop_child
+
+from ..conftest import free_port
 from .peers import Worker
+from .test_hub_service import TOKEN, start_hub, token_file  # noqa: F401 (token_file is a fixture)
 from .test_local_cluster import cluster, th  # noqa: F401 (cluster is a fixture)
 
 pytestmark = pytest.mark.integration
@@ -85,3 +96,137 @@ def test_unpublishing_the_last_copy_makes_an_agent_pull_a_retained_one_first(clu
     finally:
         trainer.stop()
         reader.stop()
+
+
+@pytest.fixture
+def api(token_file):  # noqa: F811
+    """A real hub process; ``join(name)`` connects as an application would."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address)
+    eps = []
+
+    def join(name: str):
+        eps.append(tensorhub_cli.connect(hub=address, token=TOKEN, name=name, engine="tcp", heartbeat_s=0.2))
+        return eps[-1]
+
+    yield join
+    for ep in eps:
+        ep.close(drain_timeout=0)
+    client.close()
+    stop_child(proc)
+
+
+def weights(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(4096, generator=g), "b": torch.randn(300, generator=g)}
+
+
+def publish_later(ep, version: int, delay: float) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay), ep.publish("policy", version, weights(version))))
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("version", [2, "latest"])
+def test_a_fetch_waits_for_a_version_not_published_yet(api, version):
+    pub, reader = api("trainer"), api("rollout")
+    if version == 2:
+        pub.publish("policy", 1, weights(1))  # the model exists; version 2 does not yet
+    into = {k: torch.zeros_like(v) for k, v in weights(2).items()}
+    later = publish_later(pub, 2, 1.0)
+    began = time.monotonic()
+    try:
+        got = reader.fetch("policy", version, into=into, timeout=20)  # before: HubError not_found at once
+    finally:
+        later.join(10)
+    assert got == 2 and time.monotonic() - began >= 0.9
+    assert all(torch.equal(into[k], v) for k, v in weights(2).items())
+
+
+def test_a_fetch_gives_up_waiting_at_its_timeout_with_a_named_error(api):
+    reader = api("rollout")
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    began = time.monotonic()
+    with pytest.raises(VersionTimeout) as exc:
+        reader.fetch("policy", "latest", into=into, timeout=1.0)
+    waited = time.monotonic() - began
+    assert 1.0 <= waited < 5, waited
+    assert isinstance(exc.value, TimeoutError) and isinstance(exc.value, VersionNotFound)
+    assert exc.value.code == "not_found" and "policy@latest" in str(exc.value) and "1s" in str(exc.value)
+    assert not reader.holdings(), "a fetch that never started holds nothing"
+
+
+def test_a_fetch_that_must_not_wait_fails_at_once_naming_the_version(api):
+    pub, reader = api("trainer"), api("rollout")
+    pub.publish("policy", 1, weights(1))
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    began = time.monotonic()
+    with pytest.raises(VersionNotFound) as exc:
+        reader.fetch("policy", 3, into=into, timeout=30, wait=False)
+    assert time.monotonic() - began < 3 and not isinstance(exc.value, TimeoutError)
+    assert exc.value.code == "not_found" and "policy@3" in str(exc.value)
+
+
+def test_a_waiting_fetch_holds_up_no_other_call_of_its_endpoint(api):
+    pub, reader = api("trainer"), api("rollout")
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    result: dict = {}
+
+    def fetch():
+        try:
+            result["version"] = reader.fetch("policy", "latest", into=into, timeout=20)
+        except Exception as exc:  # reported to the test thread below
+            result["error"] = exc
+
+    t = threading.Thread(target=fetch)
+    t.start()
+    time.sleep(0.3)  # it is waiting now
+    began = time.monotonic()
+    assert reader.versions() == []
+    pub.publish("policy", 1, weights(1))
+    assert time.monotonic() - began < 3, "another call of the endpoint waited behind the waiting fetch"
+    t.join(20)
+    assert result.get("version") == 1, result
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda ep, into: ep.fetch("policy", "lates", into=into), "version"),
+    (lambda ep, into: ep.fetch("policy", 0, into=into), "version"),
+    (lambda ep, into: ep.fetch("policy", True, into=into), "version"),
+    (lambda ep, into: ep.fetch("policy", 1, into=None), "into"),
+    (lambda ep, into: ep.fetch(123, 1, into=into), "model"),
+    (lambda ep, into: ep.fetch("bad name!", 1, into=into), "model"),
+    (lambda ep, into: ep.fetch("policy", 1, into=into, timeout=-1), "timeout"),
+    (lambda ep, into: ep.fetch("policy", 1, into=into, window=0), "window"),
+    (lambda ep, into: ep.fetch("policy", 1, into=into, group=""), "group"),
+    (lambda ep, into: ep.publish("policy", 0, weights(1)), "version"),
+    (lambda ep, into: ep.publish(["policy"], 1, weights(1)), "model"),
+    (lambda ep, into: ep.publish("policy", 2, None), "state_dict"),
+    (lambda ep, into: ep.publish("policy", 2, weights(1), shard=(2, 1)), "shard"),
+    (lambda ep, into: ep.publish("policy", 2, weights(1), timeout=float("nan")), "timeout"),
+    (lambda ep, into: ep.unpublish("policy", "1"), "version"),
+    (lambda ep, into: ep.unpublish("policy", 1, timeout=0), "timeout"),
+    (lambda ep, into: ep.versions(7), "model"),
+    (lambda ep, into: ep.close(drain_timeout=-1), "drain_timeout"),
+])
+def test_every_bad_argument_raises_bad_argument_naming_it_and_changes_nothing(api, call, needle):
+    ep = api("e")
+    ep.publish("policy", 1, weights(1))
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    with pytest.raises(BadArgument) as exc:
+        call(ep, into)
+    assert isinstance(exc.value, ValueError) and isinstance(exc.value, TensorHubError)
+    assert needle in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+    assert [h.version for h in ep.holdings()] == [1], "a refused call changed what the endpoint holds"
+    assert not any(t.nbytes and t.count_nonzero() for t in into.values()), "a refused fetch wrote into its target"
+
+
+def test_calls_after_close_raise_the_closed_endpoint_error(api):
+    ep = api("e")
+    ep.close(drain_timeout=0)
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    for call in (lambda: ep.fetch("policy", 1, into=into), lambda: ep.publish("policy", 1, weights(1)),
+                 lambda: ep.unpublish("policy", 1), lambda: ep.versions(), lambda: ep.accept_sync("policy", into)):
+        with pytest.raises(EndpointError, match="closed") as exc:
+            call()
+        assert isinstance(exc.value, TensorHubError)

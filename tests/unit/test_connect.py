@@ -65,3 +65,26 @@ def test_connect_needs_exactly_one_way_to_the_hub_and_names_a_lookup_failure(th_
         tensorhub_cli.connect(cluster="nope", name="x", node="node1")
     with pytest.raises(EndpointError, match="needs token"):
         tensorhub_cli.connect(hub="tcp://127.0.0.1:1", name="x")
+
+
+def test_connect_has_a_real_signature_and_documents_every_parameter():
+    import inspect
+
+    import tensorhub_cli.endpoint
+
+    for fn in (tensorhub_cli.connect, tensorhub_cli.endpoint.connect):
+        params = inspect.signature(fn).parameters
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), f"{fn.__module__}.connect takes **options"
+    doc = inspect.getdoc(tensorhub_cli.connect)
+    missing = [name for name in inspect.signature(tensorhub_cli.connect).parameters if f"{name}:" not in doc
+               and f"{name}," not in doc]
+    assert not missing, f"help(tensorhub_cli.connect) does not describe {missing}"
+
+
+def test_connect_by_cluster_passes_only_what_the_caller_gave(running, monkeypatch):
+    name, _ = running
+    got = {}
+    monkeypatch.setattr("tensorhub_cli.endpoint.connect", lambda *a, **kw: got.update(kw) or "ep")
+    tensorhub_cli.connect(cluster=name, name="r", node="node2", call_timeout_s=2.0)
+    assert got["call_timeout_s"] == 2.0 and "connect_timeout" not in got and "on_command" not in got
+    assert got["read_timeout_s"] == 12.0  # the cluster's, as the caller gave none

@@ -122,3 +122,67 @@ def test_a_plan_carrying_progress_equals_progress_then_plan():
     second, held = run(True)
     assert held.bit_count() == 2 and len(second.reads) == 2
     assert not any(held >> r.chunk & 1 for r in second.reads)  # only what the reader lacks
+
+
+def test_a_version_being_withdrawn_is_neither_synced_nor_latest_and_its_holders_are_told():
+    hub = ready_hub()
+    hub.publish(0, p.Publish(name="pub", model="m", version=2, manifest=manifest(4, salt=2)))
+    hub.plan(0, p.Plan(name="r0", model="m", version=2, window=1))  # a read of v2 holds its withdrawal back
+    hub.take_outbound()
+    assert hub.withdraw(0, p.Withdraw(model="m", version=2)) is None
+    told = sends(hub.take_outbound(), action="unpublish")
+    assert sorted((s.endpoint, s.body.action, s.body.model, s.body.version) for s in told) == [
+        ("pub", "unpublish", "m", 2), ("r0", "unpublish", "m", 2)]
+    assert hub.sync(0, p.Sync(model="m", role="rollout")).version == 1  # latest, leaving v2 out
+    with pytest.raises(HubFault) as err:
+        hub.sync(0, p.Sync(model="m", version=2, role="rollout"))
+    assert err.value.code == "conflict" and "m@2 is being withdrawn" in err.value.message
+    assert [(e.kind, e.message) for e in hub.events if e.kind == "withdraw"] == [("withdraw", "2 holder(s)")]
+
+
+def test_load_refuses_a_bad_model_name_naming_it():
+    hub = ready_hub()
+    with pytest.raises(HubFault) as err:
+        hub.load_checkpoint(0, p.Load(node="n2", model="my policy", version=5, path="/x"))
+    assert err.value.code == "bad_request" and "model 'my policy' is not a valid model name" in err.value.message
+    assert not hub.take_outbound()
+
+
+def test_the_default_handler_unpublishes_a_withdrawn_replica_and_reports_only_a_failure():
+    from tensorhub_cli.endpoint.commands import SyncCommands
+    from tensorhub_cli.endpoint.errors import EndpointError
+
+    class Ep:
+        name, drain_timeout_s = "ep", 42.0
+
+        def __init__(self, held, kind="agent"):
+            self.held, self.unpublished, self.reports = held, [], []
+            self.info = p.EndpointInfo(name="ep", node="n1", kind=kind)
+
+        def holdings(self):
+            return self.held
+
+        def unpublish(self, model, version, *, timeout):
+            self.unpublished.append((model, version, timeout))
+            if version == 3:
+                raise EndpointError("unpublish of m@3 not acknowledged within 42s")
+
+        def report(self, cmd, kind, message="", *, timeout=None):
+            self.reports.append((kind, cmd.version, message))
+
+    m = manifest(2)
+    ep = Ep([p.Holding(model="m", version=1, world=1, shards=[m], rank=0),  # a publisher's shard
+             p.Holding(model="m", version=2, world=1, shards=[m], held=[0]),  # a fetch still filling it
+             p.Holding(model="m", version=3, world=1, shards=[m], held=[0, 1])])  # a complete reader copy
+    handler = SyncCommands()
+    for version in (1, 2, 3, 4):  # (4: let go already)
+        handler(ep, p.Command(action="unpublish", model="m", version=version))
+    assert ep.unpublished == [("m", 1, 42.0), ("m", 3, 42.0)]
+    assert [(kind, v) for kind, v, _ in ep.reports] == [("unpublish_failed", 3)]
+    assert "not acknowledged within 42s" in ep.reports[0][2]
+    # A runner's own published shard stays its own: its code unpublishes it (the hub
+    # then says it is gone); a copy it fetched goes now.
+    runner = Ep(ep.held, kind="endpoint")
+    for version in (1, 3):
+        handler(runner, p.Command(action="unpublish", model="m", version=version))
+    assert runner.unpublished == [("m", 3, 42.0)]

@@ -494,3 +494,161 @@ def test_bytes_from_publishers_are_counted_per_reader_and_by_reliability():
     assert eps["s"].bytes_planned > 0 and eps["s"].bytes_from_publishers == 0  # a relays to the spot reader
     assert hub.counters["bytes_planned.from_publishers.reliable"] == nbytes
     assert "bytes_planned.from_publishers.spot" not in hub.counters
+
+
+# --- an operator's withdrawal (th unpublish): contract 3's drain, retention set aside ---
+
+
+def answers(out):
+    from tensorhub_cli.hub.machine import Answered
+
+    return [e.body for e in out if isinstance(e, Answered)]
+
+
+def withdraw(hub, now, version, node="", timeout_s=60.0, model="policy"):
+    return hub.withdraw(now, p.Withdraw(model=model, version=version, node=node, timeout_s=timeout_s))
+
+
+def test_withdraw_drains_every_holder_readers_first_and_copies_nothing():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n2"),
+        info("agent-n3", node="n3", kind="agent"))
+    publish(hub, 0, "t", 1, manifest(4))
+    fetch_all(hub, 0, "a", "policy", 1)
+    reading = hub.plan(0, p.Plan(name="b", model="policy", version=1, window=4)).reads
+    sources = {r.source for r in reading}
+    assert reading and sources <= {"t", "a"}
+    hub.take_outbound()
+    assert withdraw(hub, 0, 1) is None
+    out = hub.take_outbound()
+    told = sorted(s.endpoint for s in sends(out, action="unpublish"))
+    assert told == ["a", "b", "t"] and sends(out, action="retain") == []  # no copy of a withdrawn version
+    assert answers(out) == []  # b still reads from its sources; b's own reads are in flight too
+    assert sources <= set(hub.models["policy"][1].replicas)
+    with pytest.raises(HubFault) as exc:  # no new reads into (or from) a withdrawn replica
+        hub.plan(0, p.Plan(name="b", model="policy", version=1, window=4))
+    assert exc.value.code == "draining"
+    hub.cancel(0, p.Cancel(name="b", model="policy", version=1))  # b's fetch aborts on that
+    out = hub.take_outbound()
+    assert answers(out) == [p.Withdrawn(model="policy", version=1, endpoints=["a", "b", "t"])]
+    assert sends(out, action="retain") == [] and 1 not in hub.models["policy"]  # its last copy was not held back
+    assert [e.kind for e in hub.events][-2:] == ["unpublished", "withdrawn"]
+
+
+def test_a_version_being_withdrawn_resolves_neither_by_number_nor_as_latest():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"), info("b", node="n2"))
+    publish(hub, 0, "t", 1, manifest(2))
+    publish(hub, 0, "t", 2, manifest(2))
+    assert hub.plan(0, p.Plan(name="b", model="policy", version=2, window=1)).reads  # keeps v2 draining
+    withdraw(hub, 0, 2)
+    assert hub.models["policy"][2].state == "READY"  # still held while its drain goes on
+    assert hub.resolve(0, p.Resolve(name="r", model="policy")).version == 1
+    with pytest.raises(HubFault) as exc:
+        hub.resolve(0, p.Resolve(name="r", model="policy", version=2))
+    assert exc.value.code == "not_found" and "withdrawn" in str(exc.value)
+
+
+def test_withdraw_from_one_node_keeps_retention_and_copies_off_that_node():
+    hub = new_hub(policies={"policy": Policy(keep_latest=1, min_reliable_copies=1)})
+    reg(hub, 0, info("t", node="n0"), info("agent-n0", node="n0", kind="agent"),
+        info("agent-n1", node="n1", kind="agent"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.take_outbound()
+    withdraw(hub, 0, 1, node="n0")
+    out = hub.take_outbound()
+    assert [s.endpoint for s in sends(out, action="unpublish")] == ["t"]
+    assert [s.endpoint for s in sends(out, action="retain")] == ["agent-n1"]  # not agent-n0: it is being cleared
+    assert answers(out) == []  # the last copy waits for the retained one (contract 4)
+    fetch_all(hub, 0, "agent-n1", "policy", 1)
+    out = hub.take_outbound()
+    assert answers(out) == [p.Withdrawn(model="policy", version=1, endpoints=["t"])]
+    v = hub.models["policy"][1]
+    assert v.state == "READY" and set(v.replicas) == {"agent-n1"} and not hub.withdrawals
+
+
+def test_withdraw_times_out_naming_who_holds_it_and_its_drains_go_on():
+    hub = new_hub(policies={"policy": Policy(keep_latest=2, min_reliable_copies=1)})
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"), info("agent-n2", node="n2", kind="agent"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.plan(0, p.Plan(name="r", model="policy", version=1, window=1))
+    hub.take_outbound()
+    withdraw(hub, 0, 1, timeout_s=10.0)
+    assert answers(hub.take_outbound()) == []
+    hub.settle(9.0)
+    assert answers(hub.take_outbound()) == []
+    for name in ("t", "r", "agent-n2"):
+        hub.heartbeat(10.0, p.Heartbeat(name=name))
+    hub.settle(10.0)
+    (err,) = answers(hub.take_outbound())
+    assert err.code == "timeout" and "policy@1 is still held after 10s by" in err.message
+    assert "t (1 read(s) from it in flight)" in err.message and "r (1 read(s) of its own in flight)" in err.message
+    # Told once; the withdrawal stays: still no copy is made, and once the reader lets
+    # go the version is gone without a second answer.
+    hub.settle(11.0)
+    out = hub.take_outbound()
+    assert answers(out) == [] and sends(out, action="retain") == []
+    hub.cancel(11.0, p.Cancel(name="r", model="policy", version=1))
+    out = hub.take_outbound()
+    assert answers(out) == [] and 1 not in hub.models["policy"] and not hub.withdrawals
+
+
+def test_withdraw_asked_again_gets_the_same_answer_and_a_version_nobody_holds_goes_at_once():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.plan(0, p.Plan(name="r", model="policy", version=1, window=1))  # pins t
+    withdraw(hub, 0, 1, timeout_s=5.0)
+    withdraw(hub, 1, 1, timeout_s=30.0)  # the later deadline holds for both callers
+    hub.settle(6.0)
+    assert answers(hub.take_outbound()) == []
+    # t dies: its replica goes with it, and so do r's reads from it, the last thing r's drain waited for
+    hub.heartbeat(6.0, p.Heartbeat(name="r"))
+    assert hub.expire(6.0) == ["t"]
+    (done,) = answers(hub.take_outbound())
+    assert done.endpoints == ["r", "t"] and 1 not in hub.models.get("policy", {})
+    # An UNAVAILABLE version (its holders gone) is cleared by a withdrawal too
+    reg(hub, 7.0, info("t2", node="n0", pid=2))
+    publish(hub, 7.0, "t2", 2, manifest(1))
+    hub.models["policy"][2].replicas.clear()
+    hub.models["policy"][2].refresh()
+    withdraw(hub, 7.0, 2)
+    assert answers(hub.take_outbound()) == [p.Withdrawn(model="policy", version=2)]
+    assert 2 not in hub.models["policy"]
+
+
+@pytest.mark.parametrize("op, code, needle", [
+    (p.Withdraw(model="policy", version=9), "not_found", "policy@9 is not known"),
+    (p.Withdraw(model="my policy", version=1), "bad_request", "model 'my policy' is not a valid model name"),
+    (p.Withdraw(model="policy", version=1, node="n7"), "not_found", "no endpoint on node 'n7' holds policy@1 "
+                                                                    "(held on: n0)"),
+    (p.Withdraw(model="policy", version=1, timeout_s=0), "bad_request", "timeout_s must be in"),
+])
+def test_withdraw_refusals_name_the_problem_and_change_nothing(op, code, needle):
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"))
+    publish(hub, 0, "t", 1, manifest(2))
+    hub.take_outbound()
+    with pytest.raises(HubFault) as exc:
+        hub.withdraw(0, op)
+    assert exc.value.code == code and needle in exc.value.message
+    assert not hub.take_outbound() and not hub.withdrawals and not hub.models["policy"][1].draining
+
+
+def test_publish_refuses_a_bad_model_name_and_a_version_being_withdrawn():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"))
+    with pytest.raises(HubFault) as exc:
+        publish(hub, 0, "t", 1, manifest(2), model="my policy")
+    assert exc.value.code == "bad_request"
+    assert "model 'my policy' is not a valid model name" in exc.value.message and "[A-Za-z0-9]" in exc.value.message
+    assert hub.models == {}
+    publish(hub, 0, "t", 1, manifest(2, salt=1), rank=0, world=2)
+    withdraw(hub, 0, 1)  # one shard of two is in: a STAGING version goes too
+    assert 1 not in hub.models["policy"]  # its only publisher let go: nothing to wait for
+    publish(hub, 0, "t", 2, manifest(1))
+    hub.plan(0, p.Plan(name="r", model="policy", version=2, window=1))  # pins t: the withdrawal waits
+    withdraw(hub, 0, 2)
+    with pytest.raises(HubFault) as exc:
+        publish(hub, 0, "r", 2, manifest(1))
+    assert exc.value.code == "conflict" and "being withdrawn" in exc.value.message

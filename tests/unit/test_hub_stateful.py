@@ -1,4 +1,4 @@
-"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(i).
+"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(l).
 
 The test keeps its own *truth* — what each simulated process really holds in memory
 and which reads it really has in flight — and checks the hub against it after every
@@ -11,6 +11,11 @@ failed only once the engine confirms the transfer stopped. Invariant (c) counts
 zombies as live transfers: no unpublish is acknowledged while one can still touch
 the source's buffer. A slow heartbeat makes a process register again with the same
 incarnation (nothing may be released); ops from a replaced incarnation are fenced.
+
+An operator may withdraw a version (``th unpublish``: all holders, or one node's): the
+hub then drains those replicas itself and tells their holders to unpublish, which they
+may or may not have done when the drain ends; its acknowledgements obey (c) like any
+other, and (k)/(l) pin what a withdrawal promises.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
-from tensorhub_cli.hub.machine import Acked, Hub, HubConfig, HubFault
+from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault
 
 from .hubkit import EXPIRY, info, manifest
 
@@ -98,6 +103,11 @@ class HubMachine(RuleBasedStateMachine):
         self.rounds: dict[str, RoundLog] = {}  # group -> the round as the test saw it open
         self.commands: set[tuple[str, int]] = set()  # (agent, version) retention pulls asked for
         self.ever_ready: set[int] = set()
+        # Withdrawals the hub is carrying out, (version, node) ("" node: the whole
+        # version), and those whose operator still waits for an answer.
+        self.withdrawing: set[tuple[int, str]] = set()
+        self.awaiting: set[tuple[int, str]] = set()
+        self.told: set[tuple[str, int]] = set()  # (endpoint, version) the hub told to unpublish
         for name in sorted(PROCS):  # start from a live cluster; crashes and silence come later
             self.register(name)
 
@@ -152,17 +162,54 @@ class HubMachine(RuleBasedStateMachine):
             self.deliver()
 
     def deliver(self) -> None:
-        for event in self.hub.take_outbound():
+        self.handle(self.hub.take_outbound())
+
+    def handle(self, events) -> None:
+        for event in events:
             if isinstance(event, Acked):
                 self.check_ack(event)
+            elif isinstance(event, Answered):
+                self.check_answer(event)
+            elif event.body.action == "unpublish":
+                self.told.add((event.endpoint, event.body.version))
             else:
+                self.check_command(event)
                 self.commands.add((event.endpoint, event.body.version))
+        # the hub keeps a withdrawal (timed out or not) until its replicas are gone
+        live = {(w.version.number, w.node) for w in self.hub.withdrawals.values()}
+        self.withdrawing &= live
+
+    def whole_withdrawn(self) -> set[int]:
+        return {n for n, node in self.withdrawing if not node}
+
+    def check_command(self, send) -> None:
+        """(l) no retention copy of a version withdrawn whole, nor onto a node whose
+        copies of it are being withdrawn."""
+        if send.body.action != "retain":
+            return
+        number = send.body.version
+        assert number not in self.whole_withdrawn(), f"(l) retention copy of withdrawn v{number}: {send}"
+        node = PROCS[send.endpoint][0]
+        assert (number, node) not in self.withdrawing, f"(l) retention copy onto {node}, withdrawing v{number}"
+
+    def check_answer(self, answer: Answered) -> None:
+        """(k) a withdrawal is answered once, and done means gone: no replica of the
+        version is left (on its node, if it named one)."""
+        _, model, number, node = answer.key
+        assert model == MODEL and (number, node) in self.awaiting, f"(k) answer nobody waits for: {answer}"
+        self.awaiting.discard((number, node))
+        if isinstance(answer.body, p.Error):
+            assert answer.body.code == "timeout", answer
+            return
+        v = self.hub.models.get(MODEL, {}).get(number)
+        left = [n for n in (v.replicas if v else ()) if not node or PROCS[n][0] == node]
+        assert not left and (node or v is None), f"(k) v{number} withdrawn{' from ' + node if node else ''}: {left}"
 
     # --- invariants checked at the moment of an acknowledgement ----------------------
 
     def check_ack(self, ack: Acked) -> None:
         key = (ack.endpoint, ack.version)
-        assert key in self.pending, f"ack for an unpublish nobody sent: {ack}"
+        assert key in self.pending or key in self.told, f"ack for an unpublish nobody sent: {ack}"
         self.pending.discard(key)
         if not ack.ok:
             return
@@ -175,7 +222,7 @@ class HubMachine(RuleBasedStateMachine):
         # (f) a retained version keeps its copies while an agent that could copy it lives
         versions = self.hub.models.get(MODEL, {})
         v = versions.get(ack.version)
-        if v is not None and ack.version in retained(versions, POLICY):
+        if v is not None and ack.version in retained(versions, POLICY, self.whole_withdrawn()):
             live = [r for n, r in v.replicas.items() if n not in v.draining]
             covered = 0
             for r in live:
@@ -187,7 +234,7 @@ class HubMachine(RuleBasedStateMachine):
                 # once its own drain is over it may be asked again.
                 helpers = [n for n, ep in self.hub.endpoints.items() if ep.info.kind == "agent"
                            and self.now - ep.last_seen <= EXPIRY and not v.complete(n) and n != ack.endpoint
-                           and n not in v.draining]
+                           and n not in v.draining and (ack.version, ep.info.node) not in self.withdrawing]
                 assert not helpers, f"(f) {ack} left v{ack.version} short while {helpers} could copy it"
         self.forget(self.procs[ack.endpoint], ack.version)
 
@@ -405,8 +452,7 @@ class HubMachine(RuleBasedStateMachine):
         out = self.hub.take_outbound()
         assert not isinstance(got, HubFault) and not [a for a in out if isinstance(a, Acked) and not a.ok], out
         assert {n: dict(v.pins) for n, v in self.hub.models.get(MODEL, {}).items()} == before, "(c) pins released"
-        for event in out:
-            self.check_ack(event) if isinstance(event, Acked) else self.commands.add((event.endpoint, event.body.version))
+        self.handle(out)
 
     @rule(name=st.sampled_from(READERS), data=st.data())
     def stale_op(self, name, data):
@@ -461,6 +507,29 @@ class HubMachine(RuleBasedStateMachine):
             if got.code == "not_found":
                 self.forget(proc, number)  # the hub already let it go: free to reuse
 
+    @precondition(lambda self: self.hub.models.get(MODEL))
+    @rule(pick=st.integers(0, 20), node=st.sampled_from(["", "", "a1", "a3", "b2"]),
+          timeout_s=st.sampled_from([1.0, 10.0]))
+    def withdraw(self, pick, node, timeout_s):
+        """An operator's `th unpublish`: every replica of the version, or one node's."""
+        versions = sorted(self.hub.models[MODEL])
+        number = versions[pick % len(versions)]
+        self.awaiting.add((number, node))  # (before the call: an answer may come at once)
+        self.withdrawing.add((number, node))
+        got = self.call(self.hub.withdraw, p.Withdraw(model=MODEL, version=number, node=node, timeout_s=timeout_s))
+        if isinstance(got, HubFault):
+            assert got.code == "not_found" and node, got  # only a node holding none of it is refused
+            self.awaiting.discard((number, node))
+            self.withdrawing.discard((number, node))
+
+    @rule(data=st.data())
+    def obey(self, data):
+        """An endpoint carries out the hub's unpublish command (or has let go already)."""
+        todo = sorted((n, v) for n, v in self.told if self.procs[n].registered and (n, v) not in self.pending and (
+            (MODEL, v) in self.procs[n].shards or (MODEL, v) in self.procs[n].chunks))
+        if todo:
+            self._unpublish(*data.draw(st.sampled_from(todo)))
+
     @rule(dt=st.sampled_from([0.5, 2.0, 6.0]), silent=st.sets(st.sampled_from(sorted(PROCS)), max_size=2))
     def advance(self, dt, silent):
         self.now += dt
@@ -487,6 +556,8 @@ class HubMachine(RuleBasedStateMachine):
     def restart_hub(self):
         """Contract 7: a fresh hub, rebuilt only from what the processes re-register."""
         self.hub = self._new_hub(grace_s=EXPIRY)
+        self.withdrawing.clear()  # the new hub knows none: their operators time out and may ask again
+        self.awaiting.clear()
         order = PUBLISHERS + [n for n in sorted(PROCS) if n not in PUBLISHERS]
         for name in order:
             proc = self.procs[name]
@@ -526,7 +597,7 @@ class HubMachine(RuleBasedStateMachine):
                 proc.reading[key].clear()
                 self.call(self.hub.cancel, p.Cancel(name=proc.name, model=MODEL, version=key[1]))
         for _ in range(2 * len(PROCS) + 4):
-            if not self.pending:
+            if not self.pending and not self.hub.withdrawals:
                 break
             for agent, number in sorted(self.commands):
                 if self.procs[agent].registered and number in self.hub.models.get(MODEL, {}):
@@ -534,6 +605,9 @@ class HubMachine(RuleBasedStateMachine):
             self.advance(1.0, set())
             self.sweep()
         assert not self.pending, f"unpublish never acknowledged: {sorted(self.pending)}"
+        assert not self.awaiting, f"withdrawal never answered: {sorted(self.awaiting)}"
+        left = {k: sorted(w.version.replicas) for k, w in self.hub.withdrawals.items()}
+        assert not left, f"withdrawal never done: {left}"
 
     def pull(self, agent: str, number: int) -> None:
         proc = self.procs[agent]

@@ -76,3 +76,32 @@ def test_child_helpers_survive_a_child_that_is_gone_or_not_ours(monkeypatch):
         monkeypatch.undo()
         proc.kill()
         proc.wait()
+
+
+def test_preflight_names_the_live_process_on_the_hub_port_and_lets_time_wait_pass(tmp_path):
+    """After `kill -9` of a hub, its port lingers in TIME_WAIT: that must pass. A port a
+    live process listens on fails, naming the process (here: this test's own)."""
+    import socket
+
+    import yaml
+
+    from tensorhub_cli.launch.local import LocalLauncher
+    from tensorhub_cli.spec import load
+
+    from .test_reconcile import time_wait_port
+
+    doc = yaml.safe_load((REPO / "specs" / "local.yaml").read_text())
+    doc["topology"]["datacenters"][0]["racks"][0]["nodes"][0]["address"] = "127.0.0.1"
+    doc["hub"]["port"], doc["hub"]["metrics_port"] = time_wait_port(), None
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    assert LocalLauncher(load(tmp_path / "s.yaml"), tmp_path).preflight() == []
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        doc["hub"]["port"] = listener.getsockname()[1]
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+        problems = LocalLauncher(load(tmp_path / "s.yaml"), tmp_path).preflight()
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"hub.port: cannot bind 127.0.0.1:{doc['hub']['port']}: in use by a live process: "
+                                  f"pid {os.getpid()} (")
+    assert "pytest" in problems[0] or "python" in problems[0]

@@ -72,9 +72,9 @@ BAD = [
     ("link-self", lambda d: set_in(d, ("topology", "links"), [{"between": ["dc1", "dc1"], "gbps": 1}]), "topology.links[0].between", "two different"),
     ("link-gbps-zero", lambda d: set_in(d, ("topology", "links"), [{"between": ["dc1", "dc2"], "gbps": 0}]), "topology.links[0].gbps", "greater than 0"),
     ("role-unknown-node", lambda d: set_in(d, ("roles", "rollout", "select", "nodes"), ["node2", "ghost"]), "roles.rollout.select.nodes[1]", "unknown node 'ghost'"),
-    ("group-not-dividing", lambda d: set_in(d, ("roles", "rollout", "group_size"), 3), "roles.rollout.group_size", "does not divide count 2"),
+    ("group-not-dividing", lambda d: (set_in(d, ("roles", "rollout", "count"), 2), set_in(d, ("roles", "rollout", "group_size"), 3)), "roles.rollout.group_size", "does not divide count 2"),
     ("role-count-negative", lambda d: set_in(d, ("roles", "rollout", "count"), -2), "roles.rollout.count", "greater than or equal to 0"),
-    ("role-selects-nothing", lambda d: set_in(d, ("roles", "trainer", "select"), {"labels": {"tier": "none"}}), "roles.trainer.select", "selects no node"),
+    ("role-selects-nothing", lambda d: (set_in(d, ("roles", "trainer", "count"), 1), set_in(d, ("roles", "trainer", "select"), {"labels": {"tier": "none"}})), "roles.trainer.select", "selects no node"),
     ("role-unknown-key", lambda d: set_in(d, ("roles", "trainer", "replicas"), 2), "roles.trainer.replicas", "unknown key"),
     ("chunk-zero", lambda d: set_in(d, ("models", 0, "chunk_mb"), 0), "models[0].chunk_mb", "greater than 0"),
     ("chunk-negative", lambda d: set_in(d, ("models", 0, "chunk_mb"), -4), "models[0].chunk_mb", "greater than 0"),
@@ -132,7 +132,11 @@ def test_every_problem_reported_at_once(tmp_path):
 
 @pytest.mark.parametrize(
     "text,words",
-    [("name: [unclosed\n", "YAML does not parse"), ("- just\n- a list\n", "must be a YAML mapping"), ("", "must be a YAML mapping")],
+    [("name: [unclosed\n", "YAML does not parse"), ("- just\n- a list\n", "must be a YAML mapping"),
+     ("", "the file is empty"), ("# only a comment\n", "the file is empty"),
+     ("name: " + "[" * 1000 + "]" * 1000 + "\n", "nests deeper than 32 levels (line 1)"),
+     ("".join("  " * i + "a:\n" for i in range(1000)) + "  " * 1000 + "b: 1\n", "nests deeper than 32 levels (line 33)")],
+    ids=["unclosed", "list", "empty", "comment-only", "1000-deep-flow", "1000-deep-block"],
 )
 def test_unparseable_yaml_is_one_line(tmp_path, text, words):
     result = check(tmp_path, text)
@@ -140,6 +144,30 @@ def test_unparseable_yaml_is_one_line(tmp_path, text, words):
     assert words in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert "Traceback" not in result.output
+    assert "NoneType" not in result.output and "got list" not in result.output  # words, not Python type names
+
+
+@pytest.mark.parametrize("command", [["spec", "check"], ["up"]])
+def test_on_in_a_role_is_one_line_with_the_select_hint(tmp_path, th_home, command):
+    text = (REPO / "specs" / "local.yaml").read_text().replace("select: {nodes: [node2, node3]}", "on: [node2, node3]")
+    want = next(i for i, ln in enumerate(text.splitlines(), 1) if "on: [node2" in ln)
+    (tmp_path / "spec.yaml").write_text(text)
+    result = runner.invoke(app, [*command, str(tmp_path / "spec.yaml")])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "roles.rollout.on: YAML 1.1 reads `on` as true; a role picks its nodes with "
+        f"`select: {{nodes: [...], labels: {{...}}}}` (line {want})"], result.output
+    assert not th_home.exists() or not any(th_home.iterdir())  # `th up` started nothing
+
+
+def test_any_key_yaml_reads_as_a_boolean_is_named_as_written(tmp_path):
+    text = (REPO / "specs" / "local.yaml").read_text().replace("labels: {tier: train}", "labels: {Yes: train}")
+    result = check(tmp_path, text)
+    assert result.exit_code == 2
+    assert result.output.startswith("topology.datacenters[0].racks[0].nodes[0].labels.Yes: YAML 1.1 reads the key "
+                                    "'Yes' as true/false; quote it"), result.output
+    quoted = check(tmp_path, text.replace("{Yes: train}", "{'Yes': train}"))
+    assert quoted.exit_code == 0, quoted.output
 
 
 def test_missing_file_is_one_line(tmp_path):

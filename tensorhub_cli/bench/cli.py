@@ -1,0 +1,234 @@
+"""`th bench`: one sub-command per workload, mounted by ``tensorhub_cli.cli``.
+
+Protocol: each workload checks its options first (bad input: one line, exit 2, before
+anything starts), says on stderr what it starts (silent under ``th -q``), runs the
+workload module (which starts and stops its own processes by PID), prints the result
+as JSON on stdout (one line with ``--json``) and, without ``--json``, a table on
+stderr; ``--plot`` writes a PNG. A workload that cannot finish exits 1 naming why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..ui.console import entered, err, fail, out, step
+from ..ui.helpstyle import ThGroup
+
+
+class _Workloads(ThGroup):
+    # An unknown workload is bad input like any other here: one plain line, exit 2.
+    def resolve_command(self, ctx, args):
+        if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
+            fail(f"th bench: unknown workload {args[0]!r} (known: {', '.join(self.commands)})", 2)
+        return super().resolve_command(ctx, args)
+
+
+bench = typer.Typer(cls=_Workloads, no_args_is_help=True,
+                    help="Measure a workload and print JSON (ratios and latencies measured in one run).")
+
+
+@bench.callback()
+def _workload(ctx: typer.Context) -> None:
+    entered([ctx.invoked_subcommand or ""])
+
+
+JsonOpt = typer.Option(False, "--json", help="print only the JSON result (one line)")
+PlotOpt = typer.Option(None, "--plot", metavar="FILE.png", help="write a PNG chart (needs matplotlib)")
+EngineOpt = typer.Option("nixl", metavar="nixl|tcp", help="byte mover")
+TimeoutOpt = typer.Option(600.0, min=1, metavar="SECONDS", help="seconds before a phase counts as stuck")
+
+
+def _check_engine(workload: str, engine: str) -> None:
+    if engine not in ("nixl", "tcp"):
+        fail(f"th bench {workload}: --engine must be nixl or tcp, got {engine!r}", 2)
+
+
+def _reader_counts(text: str) -> list[int]:
+    try:
+        counts = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1 or counts[-1] > 64:
+        fail(f"th bench fanout: --readers must be a comma list of counts in 1..64, got {text!r}", 2)
+    return counts
+
+
+@bench.command("hub")
+def bench_hub(as_json: bool = JsonOpt,
+              endpoints: int = typer.Option(1000, min=2, metavar="N", help="simulated endpoints"),
+              tensors: int = typer.Option(1000, min=1, metavar="N", help="tensors per manifest"),
+              chunk_mb: int = typer.Option(64, min=1, metavar="MIB", help="chunk size in MiB"),
+              depth: int = typer.Option(64, min=1, metavar="N", help="requests in flight in the throughput phase"),
+              planner: str = typer.Option("ros", metavar="ros|star",
+                                          help="ros, or star (the all-from-publisher baseline)"),
+              timeout: float = TimeoutOpt,
+              profile: Optional[Path] = typer.Option(None, metavar="FILE",
+                                                     help="write a cProfile of the hub process here")) -> None:
+    """Real hub on one core under N simulated endpoints: plan latency and control ops/s."""
+    if planner not in ("ros", "star"):
+        fail(f"th bench hub: --planner must be ros or star, got {planner!r}", 2)
+    from . import hub as hub_bench
+
+    if not as_json:
+        step(f"bench hub: {endpoints} endpoints, {tensors}-tensor manifests, hub pinned to one core …", err)
+    try:
+        result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth,
+                               planner=planner, timeout_s=timeout, profile=profile)
+    except hub_bench.BenchError as exc:
+        fail(f"th bench hub: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        from ..ui.status import render_bench_hub
+
+        render_bench_hub(err, result)
+
+
+@bench.command("p2p")
+def bench_p2p(as_json: bool = JsonOpt,
+              mib: float = typer.Option(256, min=0.001, metavar="MIB", help="payload MiB"),
+              reps: int = typer.Option(3, min=1, metavar="N", help="repetitions (medians are reported)"),
+              window: int = typer.Option(4, min=1, metavar="N", help="reads in flight"),
+              engine: str = EngineOpt) -> None:
+    """One fetch through our endpoint vs raw NIXL READ vs raw TCP, between the same two processes."""
+    _check_engine("p2p", engine)
+    from . import p2p
+    from .rig import RigError
+
+    if not as_json:
+        step("bench p2p: starting processes on loopback …", err)
+    try:
+        result = p2p.run(mib=mib, reps=reps, window=window, engine=engine)
+    except (RigError, RuntimeError, ValueError) as exc:
+        fail(f"th bench p2p: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench.command("fanout")
+def bench_fanout(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
+                 mib: float = typer.Option(128, min=0.001, metavar="MIB", help="payload MiB"),
+                 readers: Optional[str] = typer.Option(None, metavar="N,N,...", help="reader counts, a comma list "
+                                                       "(default 1,2,4,8; 1,3,7 with --testbed)"),
+                 window: Optional[int] = typer.Option(None, min=1, metavar="N", help="reads in flight per reader "
+                                                      "(default 2; 4 with --testbed)"),
+                 engine: str = EngineOpt,
+                 testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds "
+                                              "and removes (root)"),
+                 node_gbps: Optional[float] = typer.Option(None, min=0.001, metavar="GBPS",
+                                                           help="--testbed: node link rate, Gbit/s (default: "
+                                                           "scripts/testbed's)")) -> None:
+    """One publisher, N readers fetching the same version at once: ours vs trainer-star."""
+    _check_engine("fanout", engine)
+    # Checked before anything starts: inside the try below, typer.Exit (a RuntimeError) would turn into exit 1.
+    counts = _reader_counts(readers or ("1,3,7" if testbed else "1,2,4,8"))
+    from . import fanout
+    from .rig import RigError
+
+    if not as_json:
+        where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
+        step(f"bench fanout: starting processes on {where} …", err)
+    try:
+        if testbed:
+            result = fanout.run_testbed(counts, mib=mib, window=4 if window is None else window, engine=engine,
+                                        node_gbps=node_gbps)
+        else:
+            result = fanout.run(counts, mib=mib, window=2 if window is None else window, engine=engine)
+    except (RigError, RuntimeError, ValueError) as exc:
+        fail(f"th bench fanout: {exc}", 1)
+    _show_bench("fanout", result, as_json, plot)
+
+
+@bench.command("faults")
+def bench_faults(as_json: bool = JsonOpt,
+                 mib: float = typer.Option(64, min=0.001, metavar="MIB", help="payload MiB of each faulted fetch"),
+                 engine: str = typer.Option("tcp", metavar="nixl|tcp", help="byte mover (tcp: its serving can be "
+                                            "throttled so that faults land mid-read)"),
+                 window: int = typer.Option(2, min=1, metavar="N", help="reads in flight per reader"),
+                 timeout: float = typer.Option(120.0, min=1, metavar="SECONDS",
+                                               help="seconds before an operation counts as stuck")) -> None:
+    """Kill sources, readers, the hub and an agent, stop a source, outlive a read, corrupt chunks, send bad tokens
+    and garbage mid-fetch (and cut a link, on a testbed where root can build one): one row per fault."""
+    _check_engine("faults", engine)
+    from . import faults
+    from .rig import RigError
+
+    if not as_json:
+        testbed = "" if faults.testbed_unavailable() else f", then {', '.join(faults.TESTBED_FAULTS)} on a testbed"
+        step(f"bench faults: {', '.join(faults.FAULTS)} on loopback{testbed} …", err)
+    try:
+        result = faults.run(mib=mib, engine=engine, timeout=timeout, window=window)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
+        fail(f"th bench faults: {exc}", 1)
+    if as_json:
+        print(json.dumps({"rows": result["rows"], "ok": result["ok"],
+                          **({"skipped": result["skipped"]} if result["skipped"] else {})}))
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"th bench faults ({result['bytes'] / 2**20:.0f} MiB, {result['engine']})")
+        for col in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown", "detail"):
+            table.add_column(col, overflow="fold")
+        for row in result["rows"]:
+            table.add_row(*("yes" if v is True else "NO" if v is False else "-" if v is None else str(v)
+                            for v in (row[c] for c in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown",
+                                                         "detail"))))
+        out.print(table)
+    if not result["ok"]:
+        fail("th bench faults: " + "; ".join(f"{r['fault']}: {r['detail']}" for r in result["rows"] if not r["ok"]), 1)
+
+
+@bench.command("rl")
+def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
+             workload: str = typer.Option("standalone", "--workload", metavar="standalone|elastic|cross-dc",
+                                          help="which RL workload"),
+             steps: int = typer.Option(4, min=1, metavar="N", help="trainer steps (= versions)"),
+             rollouts: int = typer.Option(3, min=1, max=16, metavar="N", help="rollout runners"),
+             hidden: int = typer.Option(512, min=16, metavar="N", help="model hidden size (a multiple of 8)"),
+             layers: int = typer.Option(8, min=1, metavar="N", help="model layers"),
+             step_s: float = typer.Option(1.5, min=0, metavar="SECONDS",
+                                          help="the trainer's pace, seconds per step at least"),
+             engine: str = EngineOpt, timeout: float = TimeoutOpt,
+             testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
+                                          "removes (root)")) -> None:
+    """An RL workload (trainer + rollouts), ours then its baseline, in one run."""
+    from . import rl
+    from .rig import RigError
+
+    if workload not in rl.WORKLOADS:
+        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, got {workload!r}", 2)
+    _check_engine("rl", engine)
+    if hidden % 8:
+        fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
+    if not as_json:
+        where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
+        step(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", err)
+    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
+                     timeout_s=timeout)
+    try:
+        result = rl.run(workload, knobs, on_testbed=testbed)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
+        fail(f"th bench rl: {exc}", 1)
+    _show_bench("rl", result, as_json, plot)
+    if result["probe_mismatches"]:
+        fail(f"th bench rl: {result['probe_mismatches']} probe mismatch(es): a rollout ran weights that were "
+             "not the trainer's version", 1)
+
+
+def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:
+    """JSON on stdout; without --json a table on stderr; with --plot a PNG
+    (``ui.status.render_bench_<workload>``, ``ui.plot.<workload>``)."""
+    from ..ui import plot as charts
+    from ..ui import status as tables
+
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        getattr(tables, f"render_bench_{workload}")(err, result)
+    if plot is not None:
+        try:
+            getattr(charts, workload)(result, plot)
+        except charts.PlotUnavailable as exc:
+            fail(f"th bench {workload}: {exc}", 1)
+        err.print(f"wrote {plot}", highlight=False)

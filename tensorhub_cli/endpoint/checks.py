@@ -1,0 +1,73 @@
+"""Argument checks for the endpoint's public calls: each returns the value it accepts,
+or raises ``BadArgument`` whose one-line message names the argument at fault and what
+it takes. They run before a call changes anything, so a refused call changed nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+from ..errors import BadArgument
+from ..names import check_model
+
+
+def model(value: object, what: str = "model") -> str:
+    return check_model(value, what)
+
+
+def version(value: object, what: str = "version", *, latest: bool = False) -> Optional[int]:
+    """A version number (an int >= 1), or None for ``"latest"`` where ``latest`` is allowed."""
+    if latest and value == "latest":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    takes = 'an int >= 1 or "latest"' if latest else "an int >= 1"
+    raise BadArgument(f"{what} takes {takes}, not {value!r}")
+
+
+def seconds(value: object, what: str, *, zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (>= 0 where ``zero``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+            value > 0 or (zero and value == 0)):
+        return float(value)
+    raise BadArgument(f"{what} takes a finite number of seconds {'>= 0' if zero else '> 0'}, not {value!r}")
+
+
+def optional_seconds(value: object, what: str) -> Optional[float]:
+    return None if value is None else seconds(value, what)
+
+
+def count(value: object, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise BadArgument(f"{what} takes an int >= 1, not {value!r}")
+
+
+def state_dict(value: object, what: str = "state_dict") -> dict:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise BadArgument(f"{what} takes a state_dict (a dict of name -> tensor), not {type(value).__name__}")
+    return value
+
+
+def into(value: object, what: str = "into") -> dict | Callable:
+    if callable(value):
+        return value
+    if isinstance(value, dict):
+        return state_dict(value, what)
+    raise BadArgument(f"{what} takes a state_dict (name -> tensor) or a callable making one from the manifests, "
+                      f"not {type(value).__name__}")
+
+
+def shard(value: object) -> tuple[int, int]:
+    """``(rank, world)`` with ``0 <= rank < world``."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value) and 0 <= value[0] < value[1]:
+        return value[0], value[1]
+    raise BadArgument(f"shard takes (rank, world) with 0 <= rank < world, not {value!r}")
+
+
+def group(value: object) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise BadArgument(f"group takes a non-empty str or None, not {value!r}")
