@@ -31,6 +31,8 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dc", default="")
     g.add_argument("--rack", default="")
     g.add_argument("--engine", default=None, help="nixl or tcp (default: the cluster's)")
+    g.add_argument("--ucx-net-devices", default=None,
+                   help="UCX_NET_DEVICES: one NIC, or ';'-joined NICs one per GPU (`th` passes the node's)")
     g.add_argument("--model-name", default="policy")
     g.add_argument("--heartbeat-s", type=float, default=0.5)
     g.add_argument("--read-timeout-s", type=float, default=None,
@@ -56,6 +58,9 @@ def model_config(args) -> ModelConfig:
 
 
 def join(args, role: str, reliable: bool = True, group: str | None = None):
+    from tensorhub_cli.engines.nixl_shim import use_net_devices
+
+    use_net_devices(args.ucx_net_devices)  # before the first engine loads NIXL
     common = dict(name=args.name, node=args.node, role=role, reliable=reliable, group=group,
                   heartbeat_s=args.heartbeat_s)
     if args.engine:

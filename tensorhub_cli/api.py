@@ -24,14 +24,15 @@ _CALLER_WINS = ("engine", "heartbeat_s", "read_timeout_s", "plan_timeout_s", "dr
 
 def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: Optional[str] = None,
             name: str, node: Optional[str] = None, role: str = "", reliable: bool = True,
-            group: Optional[str] = None, tier: Literal["device", "host"] = "host",
+            group: Optional[str] = None, tier: Optional[Literal["device", "host"]] = None, device: object = None,
             kind: Literal["endpoint", "agent"] = "endpoint", engine: Optional[Literal["nixl", "tcp"]] = None,
             host: Optional[str] = None, dc: str = "", rack: str = "", heartbeat_s: Optional[float] = None,
             read_timeout_s: Optional[float] = None, plan_timeout_s: Optional[float] = None,
             drain_timeout_s: Optional[float] = None, call_timeout_s: Optional[float] = None,
             connect_timeout: Optional[float] = None, on_command: Optional[Callable] = None,
             chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
-            peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None):
+            peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None,
+            reg_cache_bytes: Optional[int] = None):
     """Join a TensorHub cluster as endpoint ``name``; returns a registered ``Endpoint``
     (``publish``, ``fetch``, ``unpublish``, ``versions``, ``close``; a context manager).
 
@@ -49,7 +50,10 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
       reliable: True counts our copies towards retention (``min_reliable_copies``);
         False for spot workers.
       group: the model-parallel group we resolve ``latest`` with (contract 2).
-      tier: "host" (CPU memory) or "device" (GPU memory) for what we hold.
+      device: where the tensors we publish and fetch live: "cpu" (default), "cuda:N",
+        N or a ``torch.device``; the engine reads and serves that device's memory.
+      tier: "host" (CPU memory) or "device" (GPU memory), what the hub counts our
+        copies as; None (default) follows ``device``; a contradiction is BadArgument.
       kind: "endpoint", or "agent" (the per-node daemon; not for applications).
       engine: "nixl" (default; falls back to "tcp" with a warning) or "tcp".
       host, dc, rack: the address we bind and send from (default 127.0.0.1) and our
@@ -67,6 +71,9 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
       conn_idle_s: our tcp engine reuses a pooled connection idle at most this (60.0).
       chunk_bytes, small_bytes: chunk size of what we publish (16 MiB), and the size
         below which tensors are packed together (1 MiB).
+      reg_cache_bytes: engine registrations kept for reuse once no version uses them
+        (256 GiB; 0 turns the cache off): memory published or fetched into again, as
+        an in-place trainer's parameters, is registered once.
 
     Hooks:
       on_command: ``handler(endpoint, command)`` for commands the hub pushes (default:
@@ -79,11 +86,12 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
 
     if (hub is None) == (cluster is None):
         raise BadArgument("connect needs exactly one of hub=... or cluster=...")
-    given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, kind=kind,
+    given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, device=device, kind=kind,
                  engine=engine, host=host, dc=dc, rack=rack, heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s,
                  plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
                  connect_timeout=connect_timeout, on_command=on_command, chunk_bytes=chunk_bytes,
-                 small_bytes=small_bytes, peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s)
+                 small_bytes=small_bytes, peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s,
+                 reg_cache_bytes=reg_cache_bytes)
     options = {k: v for k, v in given.items() if v is not None}
     if cluster is not None:
         from .launch.lookup import endpoint_options

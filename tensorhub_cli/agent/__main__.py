@@ -36,11 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default=None,
                     help="base directory of the copies that outlive the agent (default $TH_AGENT_STORE, "
                          "else /dev/shm/tensorhub)")
+    ap.add_argument("--ucx-net-devices", default=None,
+                    help="UCX_NET_DEVICES: one NIC, or ';'-joined NICs one per GPU (`th` passes the node's)")
     ap.add_argument("--cluster", default=None, help="names our directory in the store (default hub-<port>)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{args.node}] %(levelname)s %(message)s")
     with open(args.token_file, encoding="utf-8") as f:
         token = f.read().strip()
+    from ..engines.nixl_shim import use_net_devices
+
+    use_net_devices(args.ucx_net_devices)  # before the endpoint's engine loads NIXL
     try:
         run(args.hub, token, args.node, args.address, args.dc, args.rack, args.spot, args.heartbeat_s, args.engine,
             read_timeout_s=args.read_timeout_s, plan_timeout_s=args.plan_timeout_s,

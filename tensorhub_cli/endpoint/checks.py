@@ -6,7 +6,7 @@ it takes. They run before a call changes anything, so a refused call changed not
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from ..errors import BadArgument
 from ..names import check_model
@@ -71,3 +71,24 @@ def group(value: object) -> Optional[str]:
     if value is None or (isinstance(value, str) and value):
         return value
     raise BadArgument(f"group takes a non-empty str or None, not {value!r}")
+
+
+class FetchArgs(NamedTuple):
+    model: str
+    number: Optional[int]  # None: latest
+    into: dict | Callable
+    group: Optional[str]
+    timeout: float
+    window: int
+    read_timeout: Optional[float]
+    plan_timeout: Optional[float]
+    resolve_timeout: float
+
+
+def fetch_args(model_: object, version_: object, into_: object, group_: object, timeout: object, window: object,
+               read_timeout: object, plan_timeout: object, resolve_timeout: object) -> FetchArgs:
+    """``Endpoint.fetch``'s arguments (a collective fetch's too), each checked."""
+    return FetchArgs(model(model_), version(version_, latest=True), into(into_), group(group_),
+                     seconds(timeout, "timeout"), count(window, "window"),
+                     optional_seconds(read_timeout, "read_timeout"), optional_seconds(plan_timeout, "plan_timeout"),
+                     seconds(resolve_timeout, "resolve_timeout"))

@@ -2,7 +2,9 @@
 
 Protocol (per method, what the caller may do once it returns):
 
-- ``publish(model, version, state_dict, shard=(rank, world), timeout=10)``: the
+- ``publish(model, version, state_dict, shard=(rank, world), timeout=10, ready=None)``:
+  first the work pending on the tensors is done (their device's current CUDA stream
+  synchronized, or the caller's ``ready`` events waited for: ``streams``); then the
   tensors are registered where they lie and the hub has the manifest. From here on the
   caller must not change those tensors until ``unpublish`` of that version has returned
   (contract 3). Small tensors were copied into a staging buffer; the big ones not. When
@@ -14,24 +16,30 @@ Protocol (per method, what the caller may do once it returns):
   → the version number. A version not READY yet (not published, still STAGING, or no
   READY version at all for ``latest``) is waited for within ``timeout`` (then
   ``VersionTimeout``); ``wait=False`` raises ``VersionNotFound`` at once (``waiting``).
-  On return every chunk is verified and in ``into``, and this endpoint
-  is a complete holder of that version: ``into`` is now published memory, under the
-  same rule. Fetching a newer version into the same tensors first unpublishes (drains)
-  the one they hold. A fetch of a version another thread of this endpoint is still
-  fetching waits for that one (within ``timeout``) and then goes on from its outcome.
-  On ``FetchError`` (or ``LayoutError`` before any byte moved) the
-  endpoint holds no replica in ``into``; its contents are undefined after a started
-  fetch, and it never counts as a replica.
+  On return every chunk is verified and in ``into`` (visible on the caller's current
+  CUDA stream: ``streams``), and this endpoint is a complete holder of that version:
+  ``into`` is now published memory, under the same rule. Fetching a newer version
+  into the same tensors first unpublishes (drains) the one they hold. A fetch of a
+  version another thread of this endpoint is still fetching waits for that one (within
+  ``timeout``) and then goes on from its outcome. On ``FetchError`` (or
+  ``LayoutError`` before any byte moved) the endpoint holds no replica in ``into``;
+  its contents are undefined after a started fetch, and it never counts as a replica.
 - ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
   of that memory is in flight, and any retention copy it called for exists. The caller
   owns the memory again.
 - ``verify(model, version, into)`` → problems (empty: ``into`` is byte for byte the
   version, re-hashed against the manifest). Reads only; changes nothing.
 - ``release(model, version)``: drops the replica without a drain (the hub forgot it
-  already); the caller owns the memory again.
+  already) and deregisters its memory; the caller owns the memory again.
 - ``report(cmd, kind, message)``: tells the hub how a command went (best effort).
 - ``close()``: unpublishes everything and waits for reads a failed fetch left running
   (each bounded by ``drain_timeout``), deregisters, stops its threads and engines.
+
+Registrations (``registrations``): memory published or fetched into again (in-place
+parameters every step, the same destination every version) is registered with the
+engine once. After an unpublish its registration stays, unused, until the next
+publish or fetch of that model that does not reuse it, ``close``, or ``release``;
+at most ``reg_cache_bytes`` (256 GiB; 0: deregister at once) stay unused.
 
 Errors are those of ``tensorhub_cli.errors`` (all ``TensorHubError``): a bad argument
 raises ``BadArgument`` naming it before anything changed; any call after ``close``
@@ -77,15 +85,18 @@ from ..engines.base import Engine
 from ..engines.serve import Regions
 from ..engines.tcp import IDLE_S as TCP_IDLE_S
 from ..engines.tcp import TcpEngine
+from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, place, verify
-from . import checks, waiting
+from ..layout.tensors import device_of
+from . import checks, streams, waiting
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .fetch import Fetch, FetchError
 from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
+from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
 from .replica import Held
 from .service import Service
 from .zombies import Zombies
@@ -117,7 +128,8 @@ class Endpoint:
                  plan_timeout_s: float = 5.0, drain_timeout_s: float = 120.0, call_timeout_s: float = 5.0,
                  connect_timeout: float = 10.0, on_command: Optional[CommandHandler] = None,
                  chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES,
-                 peer_idle_s: float = PEER_IDLE_S, conn_idle_s: float = TCP_IDLE_S):
+                 peer_idle_s: float = PEER_IDLE_S, conn_idle_s: float = TCP_IDLE_S,
+                 reg_cache_bytes: int = REG_CACHE_BYTES):
         self.name = info.name
         self.host = host
         self._token = token
@@ -128,7 +140,9 @@ class Endpoint:
         self.drain_timeout_s = drain_timeout_s
         self.call_timeout_s = call_timeout_s
         self.served = Regions()
+        reg_cache_bytes = cap_bytes(reg_cache_bytes)  # (checked before an engine exists to leak)
         self.engine, self.tcp = make_engine(engine, info.name, token, host, conn_idle_s)
+        self._registrations = Registrations(self.engine, reg_cache_bytes)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
@@ -234,41 +248,86 @@ class Endpoint:
             return wire.Refused(code="not_found", message=f"{self.name} holds no memory for {ask.model}@{ask.version}")
         return held.described(self.engine)
 
+    @property
+    def registrations(self) -> Registrations:
+        """The registration cache (``registrations``): what ``_register`` takes memory from."""
+        regs = self.__dict__.get("_registrations")
+        if regs is None:  # (an Endpoint assembled without __init__, as tests of its pieces do)
+            regs = self.__dict__["_registrations"] = Registrations(self.engine)
+        return regs
+
     def _add(self, held: Held) -> None:
         with self._lock:
             if held.key in self._replicas:  # two threads registering one version (a retain and a sync)
-                self.engine.deregister(held.handle)
+                self.registrations.release(held.reg)
                 raise EndpointError(f"{self.name} already holds {held.model}@{held.version}")
             self._replicas[held.key] = held
         self.served.add(id(held), held.placed.regions, owner=held.placed)
 
-    def _drop(self, held: Held) -> None:
+    def _drop(self, held: Held, *, deregister: bool = False) -> None:
+        """Let the replica go: no longer served, its registration back to the cache
+        (deregistered now with ``deregister``: the memory is the caller's for good)."""
         with self._lock:
             self._replicas.pop(held.key, None)
         self.served.remove(id(held))
-        self.engine.deregister(held.handle)
+        streams.drained(held.written)  # scatters still reading its staging end before it is reused or freed
+        if deregister:
+            self.registrations.drop(held.reg)
+        else:
+            self.registrations.release(held.reg)
 
-    def _register(self, model: str, version: int, world: int, shards, rank: int, placed) -> Held:
+    def _check_tier(self, placed, what: str) -> None:
+        """The hub plans and retains by our tier: GPU tensors under a host tier (or the
+        reverse) would be counted as the wrong copies. Nothing is registered yet."""
+        if (placed.device >= 0) != (self.info.tier == "device"):
+            where = f"cuda:{placed.device}" if placed.device >= 0 else "host memory"
+            raise BadArgument(f"{what}: its tensors are in {where}, but {self.name} joined with tier "
+                              f"{self.info.tier!r}; connect with device='{where if placed.device >= 0 else 'cpu'}'")
+
+    def _register(self, model: str, version: int, world: int, shards, rank: int, placed, owned=None,
+                  fill: bool = False) -> Held:
+        """A replica over ``placed``, its memory registered (or a registration reused:
+        ``registrations``; ``owned``: the caller's tensors, ``fill``: copy the layout's
+        staging bytes over when reusing, see ``Registrations.acquire``)."""
         if (model, version) in self._replicas:
             raise EndpointError(f"{self.name} already holds {model}@{version}")
+        reg = self.registrations.acquire(model, placed, owned, fill=fill)
         return Held(model=model, version=version, world=world, shards=shards, rank=rank, placed=placed,
-                    handle=self.engine.register(placed.regions))
+                    handle=reg.handle, reg=reg)
 
     # --- the API ---------------------------------------------------------------------
 
     def publish(self, model: str, version: int, state_dict: dict, shard: tuple[int, int] = (0, 1),
-                *, chunk_bytes: Optional[int] = None, timeout: float = 10.0) -> p.Manifest:
+                *, chunk_bytes: Optional[int] = None, timeout: float = 10.0, ready=None) -> p.Manifest:
+        """``ready``: None (the current CUDA stream of the tensors' device is
+        synchronized first), or a ``torch.cuda.Event`` (or a list) recorded after the
+        last work that writes the tensors, which the host waits for instead (work on
+        other streams; an empty list: nothing to wait for). Either way their bytes are
+        final before they are hashed and registered; our own copies into the staging
+        buffer (small tensors) are waited for on the current stream before any reader
+        is let in. Host tensors: no wait. Memory published before is not registered
+        again (``registrations``)."""
         self._check_open()
         model, version = checks.model(model), checks.version(version)
         state_dict, (rank, world) = checks.state_dict(state_dict), checks.shard(shard)
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else checks.count(chunk_bytes, "chunk_bytes")
         timeout = checks.seconds(timeout, "timeout")
+        ready = streams.events(ready)
+        streams.settle({device_of(t) for t in state_dict.values() if hasattr(t, "is_cuda")}, ready)
         manifest, placed = lay_out(state_dict, chunk_bytes, self.small_bytes)
+        self._check_tier(placed, "state_dict")
         busy = [h for h in self._held() if h.overlaps(placed.regions)]
         if busy:
             raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                                 "unpublish that version before publishing its memory again")
-        held = self._register(model, version, world, [manifest], rank, placed)
+        held = self._register(model, version, world, [manifest], rank, placed, list(state_dict.values()),
+                              fill=True)
+        try:
+            if held.reg.staged:  # lay_out's copies into staging (or a reused buffer's) may still be queued
+                streams.settle([placed.device], None)
+        except BaseException:
+            self.registrations.release(held.reg)
+            raise
         self._add(held)
         try:
             self._call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
@@ -311,19 +370,29 @@ class Endpoint:
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
               timeout: float = 60.0, wait: bool = True, window: int = 4, read_timeout: Optional[float] = None,
-              plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0) -> int:
+              plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0, collective=None) -> int:
         """``timeout``: the whole fetch, waiting for the version included; ``wait``:
         wait for a version not READY yet (False: ``VersionNotFound`` at once; see
         ``waiting``); ``read_timeout``/``plan_timeout``: one chunk read / plan round
         trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);
-        ``resolve_timeout``: one round trip naming the version (at most ``timeout``)."""
+        ``resolve_timeout``: one round trip naming the version (at most ``timeout``);
+        ``collective``: a torch.distributed process group whose members all call this
+        fetch: they read about one copy from holders between them (``collective``).
+        On return the bytes are visible on the caller's current CUDA stream: engines
+        write outside streams and are done; chunks staged across tensors were scattered
+        by async copies, which that stream is made to wait for (no host wait). Work
+        still queued that reads or writes ``into`` must be done (or not touch it) before
+        the call: engines do not wait for streams."""
+        if collective is not None:
+            from . import collective as stage  # (torch.distributed only for those who ask)
+
+            return stage.fetch(self, collective, model, version, into=into, group=group, timeout=timeout, wait=wait,
+                               window=window, read_timeout=read_timeout, plan_timeout=plan_timeout,
+                               resolve_timeout=resolve_timeout)
         self._check_open()
-        model, number = checks.model(model), checks.version(version, latest=True)
-        into, group = checks.into(into), checks.group(group)
-        timeout, window = checks.seconds(timeout, "timeout"), checks.count(window, "window")
-        read_timeout = checks.optional_seconds(read_timeout, "read_timeout")
-        plan_timeout = checks.optional_seconds(plan_timeout, "plan_timeout")
-        resolve_timeout = checks.seconds(resolve_timeout, "resolve_timeout")
+        model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
+            checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout,
+                              resolve_timeout)
         deadline = time.monotonic() + timeout
         resolved = waiting.resolve(self._call, p.Resolve(name=self.name, model=model, version=number, group=group),
                                    deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
@@ -339,6 +408,7 @@ class Endpoint:
                 callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
             self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
+            streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
             return resolved.version  # already a complete holder of it (in this memory, if one was given)
         if held is not None:
             raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
@@ -346,10 +416,12 @@ class Endpoint:
         if callable(into):  # a destination made to measure (agents' host copies)
             into = into(resolved.shards)
         placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+        self._check_tier(placed, "into")
         for old in [h for h in self._held() if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
         self.zombies.wait_for((model, resolved.version), deadline, self._call)
-        held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed)
+        held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
+                              list(into.values()))
         self._add(held)
         job = Fetch(self, held, deadline, window,
                     read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
@@ -363,6 +435,7 @@ class Endpoint:
                 raise FetchError(f"{self.name}: fetch of {model}@{resolved.version} failed: {exc}; "
                                  "the destination holds no version") from None
             raise
+        streams.reached(held.placed.device, held.written)  # the last scatter, before the caller's next kernel
         self.last_fetch = job.stats
         return resolved.version
 
@@ -431,14 +504,15 @@ class Endpoint:
         """Drop our replica of ``model@version`` at once, without a drain: for a version
         the hub already forgot (its ``release`` command). No-op if we hold none, or only
         a fetch in progress holds it: its reads may still write there (a ``release``
-        runs beside a ``th sync`` fetch), and that fetch lets it go when it fails."""
+        runs beside a ``th sync`` fetch), and that fetch lets it go when it fails.
+        Its memory is deregistered at once (not kept for reuse: ``registrations``)."""
         held = self._replicas.get((model, version))
         if held is None:
             return
         if held.rank < 0 and len(held.held) < len(held.placed.views):
             log.info("%s: release of %s@%s left to the fetch still filling it", self.name, model, version)
             return
-        self._drop(held)
+        self._drop(held, deregister=True)  # (agents free that memory next: no registration outlives it)
 
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
@@ -483,6 +557,7 @@ class Endpoint:
         self._shut = True
         for held in self._held():
             self._drop(held)
+        self.registrations.close()
         self.peer.close()
         with self._rpcs_lock:
             for _, client in self._rpcs:

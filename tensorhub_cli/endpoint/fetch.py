@@ -14,6 +14,9 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
    is told to stop, and is reported (which unpins it at its source) only once the
    engine confirms the transfer can no longer touch either buffer; until then it
    stays in flight for the hub, and its chunk is not read again (contract 3).
+   A staged chunk's scatter into its tensors (async ``copy_``) records an event
+   (``streams.scattered``) on the replica, before the chunk counts as held: the
+   endpoint makes the caller's stream wait on the last one before ``fetch`` returns.
 3. Report verified and failed chunks with the next ``Plan`` (it carries the progress)
    once half the window has finished, and at most 50 ms after the first of them did.
    Done when every chunk is verified. Plans go out without blocking: one is in flight
@@ -42,6 +45,7 @@ from ..engines.base import EngineError, Pair
 from ..errors import FetchError  # (defined with the rest of the public errors; importable from here)
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
+from . import streams
 from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
 from .replica import Held
 
@@ -194,8 +198,10 @@ class Fetch:
             if not 0 <= i < len(desc.addrs):
                 raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
             view = h.placed.views[read.chunk]
+            # both devices named: NIXL matches descriptors by device id, and a
+            # description that disagrees with the holder's answer is refused, not misread
             xfer = holder.engine.read(holder.peer, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)],
-                                      h.placed.device)
+                                      h.placed.device, remote_device=desc.device)
         except (EngineError, wire.PeerError) as exc:
             self._warn(read.source, f"read of chunk {read.chunk} from {read.source} failed to start: {exc}")
             self.peers.pop(read.source, None)
@@ -253,6 +259,8 @@ class Fetch:
                 self._fail(chunk, source)
                 continue
             self.held.placed.finish(chunk)
+            if chunk in self.held.placed.scatter:  # async copies: the caller's stream waits for them (streams)
+                self.held.written = streams.scattered(self.held.placed.device)
             with self.held.lock:
                 self.held.held.add(chunk)
             nbytes = self.held.placed.views[chunk].nbytes

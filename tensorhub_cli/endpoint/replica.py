@@ -1,4 +1,10 @@
-"""What an endpoint holds of one version: its layout in our memory and its chunks."""
+"""What an endpoint holds of one version: its layout in our memory and its chunks.
+
+``handle`` is the engine's registration of ``placed.regions``, owned by ``reg`` (the
+endpoint's ``registrations`` cache entry; a replica gives it back when dropped, it is
+not deregistered by the replica). ``written``: the event after the last scatter of a
+fetch into it (``streams``), None while none happened.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +24,12 @@ class Held:
     shards: list[p.Manifest]  # a publisher's own shard only; a reader's: every shard
     rank: int  # >= 0: published shard; -1: a reader's replica
     placed: Placed
-    handle: object  # the engine's registration
+    handle: object  # the engine's registration (of ``reg``)
     held: set[int] = field(default_factory=set)  # global chunk ids verified (readers)
     reading: dict[int, str] = field(default_factory=dict)  # chunk -> source, in flight
     description: bytes | None = None
+    reg: object = None  # registrations.Registration
+    written: object = None  # streams: the event recorded after the last scatter into our destination
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

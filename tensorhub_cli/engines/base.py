@@ -12,6 +12,13 @@ Memory handed to ``register`` must stay allocated and unmoved until ``deregister
 once ``deregister`` returns, the caller may free or overwrite it. The holder side of
 the tcp engine's reads (``ReadBytes`` on the peer channel) is ``engines.serve``: every
 endpoint serves it whatever its own engine, so a tcp reader can read any holder.
+
+Devices. A ``Region`` names its device (-1: host; N: CUDA device N), a holder's
+``describe`` carries the device of what it registered, and every ``read`` names both
+sides: the local ``device`` it writes into and the holder's ``remote_device`` (None:
+the one its description gave). Transports that move host bytes only (tcp) reach device
+memory through ``DeviceCopy``: a pinned host staging buffer and one synchronous copy to
+or from the device per piece, so the device memory is touched only by that copy.
 """
 
 from __future__ import annotations
@@ -33,6 +40,76 @@ def host_view(addr: int, nbytes: int) -> memoryview:
     """A writable view of host memory at ``addr`` (registered memory only: the view
     does not keep it alive)."""
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+class DeviceCopy:
+    """The copy boundary between device memory and host staging, for host-only
+    transports. Every method returns once its bytes are where they were sent (the copy
+    is synchronous), so a read counted done has its bytes on the device. Addresses are
+    raw: the caller keeps what they point into alive. Tests inject a fake; the default
+    (``TorchDeviceCopy``) uses torch on CUDA."""
+
+    def staging(self, nbytes: int) -> tuple[int, object]:
+        """A host buffer of ``nbytes`` (pinned where it can be): its address, and the
+        object that keeps it allocated (the caller holds it while it uses the address)."""
+        raise NotImplementedError
+
+    def to_device(self, host: int, addr: int, nbytes: int, device: int) -> None:
+        """Copy ``nbytes`` from host memory at ``host`` to ``addr`` on CUDA ``device``."""
+        raise NotImplementedError
+
+    def from_device(self, addr: int, device: int, host: int, nbytes: int) -> None:
+        """Copy ``nbytes`` at ``addr`` on CUDA ``device`` to host memory at ``host``."""
+        raise NotImplementedError
+
+
+class _CudaBytes:
+    """Raw CUDA memory as ``__cuda_array_interface__``, which ``torch.as_tensor`` wraps
+    without a copy (version 2: no stream key, so torch waits on none)."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "strides": None, "version": 2}
+
+
+class TorchDeviceCopy(DeviceCopy):
+    """``DeviceCopy`` with torch: staging from its caching pinned-host allocator (so a
+    buffer per read costs no cudaHostAlloc after the first), blocking ``copy_`` on the
+    device's current stream."""
+
+    def staging(self, nbytes: int) -> tuple[int, object]:
+        import torch
+
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return buf.data_ptr(), buf
+
+    @staticmethod
+    def _pair(host: int, addr: int, nbytes: int, device: int):
+        import torch
+
+        cpu = torch.frombuffer(host_view(host, nbytes), dtype=torch.uint8)
+        # No device= here: given one that differs from the pointer's, torch would copy
+        # and we would write into the copy. The pointer's own device must be the named one.
+        dev = torch.as_tensor(_CudaBytes(addr, nbytes))
+        if dev.device != torch.device("cuda", device):
+            raise EngineError(f"memory at {addr:#x} is on {dev.device}, not cuda:{device} as its region says")
+        return cpu, dev
+
+    def to_device(self, host: int, addr: int, nbytes: int, device: int) -> None:
+        import torch
+
+        with torch.cuda.device(device):
+            cpu, dev = self._pair(host, addr, nbytes, device)
+            dev.copy_(cpu)
+            torch.cuda.current_stream(device).synchronize()
+
+    def from_device(self, addr: int, device: int, host: int, nbytes: int) -> None:
+        import torch
+
+        with torch.cuda.device(device):
+            cpu, dev = self._pair(host, addr, nbytes, device)
+            cpu.copy_(dev)
+            torch.cuda.current_stream(device).synchronize()
 
 
 class Pair(NamedTuple):
@@ -72,8 +149,10 @@ class Engine(ABC):
         Raises EngineError when the description cannot be loaded."""
 
     @abstractmethod
-    def read(self, peer: object, pairs: list[Pair], device: int = -1) -> object:
-        """Start one read of all ``pairs`` into local memory on ``device`` (-1: host);
+    def read(self, peer: object, pairs: list[Pair], device: int = -1, remote_device: int | None = None) -> object:
+        """Start one read of all ``pairs`` into local memory on ``device`` (-1: host)
+        from the holder's memory on ``remote_device`` (None: the device the holder's
+        description named; given, it must agree with it);
         returns a transfer to poll. Raises EngineError
         when the read cannot even start (unknown peer, unregistered memory). The caller
         must leave the target memory alone and poll ``state`` until it is not pending,

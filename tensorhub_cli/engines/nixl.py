@@ -1,9 +1,17 @@
 """NIXL engine: one-sided UCX READs of registered host (DRAM) or CUDA (VRAM) memory.
 
+Devices. A registration is host memory (DRAM) or memory of one CUDA device (VRAM,
+that device's id): NIXL matches descriptors by (address, device id), so the holder's
+``describe`` carries its device, the reader's ``add_peer`` keeps it in the peer key, and
+every ``read`` gives NIXL both ids: the reader's ``device`` for the local side, the
+holder's for the remote one (host memory is device id 0 on either side).
+
 Defaults (the figures behind them: docs/design.md, "Measurements behind the defaults"):
 
-- ``UCX_MODULES=^ib`` (set by ``nixl_shim``): UCX's InfiniBand module makes a process
-  that created a backend die with SIGSEGV at exit on hosts without RDMA devices.
+- UCX environment (``nixl_shim``): ``UCX_MODULES=^ib`` only on hosts without an
+  InfiniBand device (there UCX's IB module makes a process that created a backend die
+  with SIGSEGV at exit); ``UCX_NET_DEVICES`` from the node's spec; a user's own
+  ``UCX_*`` variables always win.
 - No progress thread (``enable_prog_thread=False``): the wrapper's thread spins a full
   core per agent even when idle. Our endpoint calls ``progress`` from its service
   thread instead: every millisecond while peers are reading us, every 10 ms otherwise.
@@ -14,8 +22,10 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   transport"), so we never narrow UCX_TLS ourselves.
 - Logging: the wrapper logs INFO lines to stdout; ``load_nixl`` moves them to stderr.
 - Metadata: ``describe`` returns partial agent metadata (the handle's regions plus
-  connection info). Loading it again for a known agent adds the new regions (checked),
-  so one remote agent per holder serves every version it publishes.
+  connection info) with the memory kind and device id. Loading it again for a known
+  agent adds the new regions (checked), so one remote agent per holder serves every
+  version it publishes. A description without a device id (an older holder) reads as
+  device 0, which is what readers assumed before.
 
 Closing: UCX may still write into local memory for a READ that is posted, so
 ``close`` releases every transfer not yet released (NIXL aborts a posted one, or
@@ -33,6 +43,7 @@ import logging
 import os
 import threading
 import time
+from typing import NamedTuple
 
 import msgspec
 
@@ -43,56 +54,88 @@ _STATES = {"DONE": "done", "PROC": "pending"}
 log = logging.getLogger("tensorhub.nixl")
 
 
+class NixlPeer(NamedTuple):
+    """What ``add_peer`` returns: the remote agent, its memory kind and device id."""
+
+    agent: str
+    mem: str  # "DRAM" or "VRAM"
+    device: int  # the holder's CUDA device (VRAM); 0 for DRAM, as NIXL counts host memory
+
+
+def _where(mem: str, device: int) -> str:
+    return f"cuda:{device}" if mem == "VRAM" else "host memory"
+
+
+class _Registered(NamedTuple):
+    mem: str
+    reg: object  # NIXL's registration descriptor list
+    device: int
+
+
 class NixlEngine(Engine):
     kind = "nixl"
     needs_progress = True
 
-    def __init__(self, name: str):
-        nixl = load_nixl()
+    def __init__(self, name: str, device: int | None = None):
+        """``device``: the CUDA device this process's tensors live on, when known (it
+        picks this process's NIC from a per-GPU ``ucx_net_devices``: ``nixl_shim``)."""
+        nixl = load_nixl() if device is None else load_nixl(device)
         self._lock = threading.Lock()
         self._posted: set = set()  # transfer handles not released yet
         self._agent = nixl.nixl_agent(
             f"{name}.{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
     @staticmethod
-    def _mem(regions: list[Region]) -> tuple[str, list[tuple[int, int, int, str]]]:
-        kinds = {r.device >= 0 for r in regions}
-        if len(kinds) > 1:
-            raise EngineError("one registration cannot mix host and device memory")
-        mem = "VRAM" if kinds == {True} else "DRAM"
-        return mem, [(r.addr, r.nbytes, max(r.device, 0), "") for r in regions]
+    def _mem(regions: list[Region]) -> tuple[str, int, list[tuple[int, int, int, str]]]:
+        """Memory kind, device id and NIXL descriptors of one registration."""
+        devices = {r.device for r in regions}
+        if len(devices) > 1:
+            raise EngineError(f"one registration covers one device, not {sorted(devices)} (-1: host memory)")
+        device = devices.pop() if devices else -1
+        mem, dev_id = ("VRAM", device) if device >= 0 else ("DRAM", 0)
+        return mem, dev_id, [(r.addr, r.nbytes, dev_id, "") for r in regions]
 
     def register(self, regions: list[Region]) -> object:
-        mem, descs = self._mem(regions)
+        mem, device, descs = self._mem(regions)
         with self._lock:
-            return mem, self._agent.register_memory(descs, mem_type=mem)
+            return _Registered(mem, self._agent.register_memory(descs, mem_type=mem), device)
 
     def describe(self, handle: object) -> bytes:
-        mem, reg = handle
+        mem, reg, device = handle
         with self._lock:
-            return msgspec.msgpack.encode([mem, self._agent.get_partial_agent_metadata(reg, inc_conn_info=True)])
+            md = self._agent.get_partial_agent_metadata(reg, inc_conn_info=True)
+        return msgspec.msgpack.encode([mem, md, device])
 
     def deregister(self, handle: object) -> None:
         with self._lock:
-            self._agent.deregister_memory(handle[1])
+            self._agent.deregister_memory(handle.reg)
 
     def add_peer(self, address: str, description: bytes) -> object:
         try:
-            mem, md = msgspec.msgpack.decode(description)
+            mem, md, *rest = msgspec.msgpack.decode(description)
+            device = rest[0] if rest else 0  # an older holder's description: it meant device 0
+            if mem not in ("DRAM", "VRAM") or not isinstance(device, int) or device < 0:
+                raise ValueError(f"memory {mem!r} on device {device!r}")
             with self._lock:
-                return self._agent.add_remote_agent(md), mem
+                return NixlPeer(self._agent.add_remote_agent(md), mem, device)
         except Exception as exc:  # nixl raises its own binding errors
             raise EngineError(f"cannot load NIXL metadata of {address}: {exc}") from exc
 
-    def read(self, peer: object, pairs: list[Pair], device: int = -1) -> object:
-        agent, remote_mem = peer
+    def read(self, peer: object, pairs: list[Pair], device: int = -1, remote_device: int | None = None) -> object:
+        agent, remote_mem, described = peer
+        if remote_device is not None:
+            named = ("VRAM", remote_device) if remote_device >= 0 else ("DRAM", 0)
+            if named != (remote_mem, described):
+                who = agent.decode() if isinstance(agent, bytes) else agent
+                raise EngineError(f"read names the holder's memory as {_where(*named)}, but {who} described "
+                                  f"{_where(remote_mem, described)}")
         mem = "VRAM" if device >= 0 else "DRAM"
         dev = max(device, 0)
         try:
             with self._lock:
                 local = self._agent.get_xfer_descs([(p.local, p.nbytes, dev) for p in pairs], mem_type=mem)
-                # A holder's device id is its own business: its registration resolves it.
-                remote = self._agent.get_xfer_descs([(p.remote, p.nbytes, 0) for p in pairs], mem_type=remote_mem)
+                remote = self._agent.get_xfer_descs([(p.remote, p.nbytes, described) for p in pairs],
+                                                    mem_type=remote_mem)
                 handle = self._agent.initialize_xfer("READ", local, remote, agent)
                 if self._agent.transfer(handle) == "ERR":
                     self._agent.release_xfer_handle(handle)

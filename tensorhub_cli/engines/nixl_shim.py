@@ -1,9 +1,26 @@
-"""Find NIXL's Python API whichever backend wheel provides it.
+"""Find NIXL's Python API whichever backend wheel provides it, and set UCX up for it.
 
 The `nixl` meta-package exposes ``nixl._api``; the backend wheels expose
 ``nixl_cu13._api`` / ``nixl_cu12._api``. We depend on one backend wheel only, so we
 look for each in turn. ``TH_NIXL_MODULE`` (e.g. ``nixl_cu12``) picks one explicitly,
 for nodes that have more than one installed.
+
+UCX environment. UCX reads its variables when NIXL creates a backend, so ``load_nixl``
+sets them first (``ucx_environment``), and never one the process already has: a user's
+``UCX_MODULES`` or ``UCX_NET_DEVICES`` always wins (and so does what an earlier engine
+of this process set: the first one decides).
+
+- ``UCX_MODULES=^ib`` only where the host has no InfiniBand device (``/sys/class/
+  infiniband`` absent or empty, ``IB_SYSFS``): there UCX's IB module makes a process
+  that created a backend die with SIGSEGV at exit. Wherever a device exists IB stays on
+  (GPUDirect RDMA; without it UCX falls back to TCP without a word).
+- ``UCX_NET_DEVICES`` from ``TH_UCX_NET_DEVICES``, which `th` sets from the node's
+  ``ucx_net_devices`` spec field: either one UCX device list for every process of the
+  node (``mlx5_0:1`` or ``mlx5_0:1,mlx5_1:1``), or one per GPU separated by ``;``
+  (``mlx5_0:1;mlx5_1:1``: GPU 0's, GPU 1's, physical indices as nvidia-smi counts).
+  A per-GPU list gives this process its GPU's entry (``process_gpu``); a process whose
+  GPU is not known (an agent, or CUDA not initialized yet) gets every entry joined,
+  and UCX chooses among them.
 """
 
 from __future__ import annotations
@@ -12,9 +29,14 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
+from typing import Mapping, Optional
 
 CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+IB_SYSFS = Path("/sys/class/infiniband")
+NET_DEVICES_ENV = "TH_UCX_NET_DEVICES"
+log = logging.getLogger("tensorhub.nixl")
 
 
 class NixlUnavailable(ImportError):
@@ -33,12 +55,77 @@ def _quiet_logging() -> None:
         logger.setLevel(logging.WARNING)
 
 
-def load_nixl() -> ModuleType:
+def ib_devices(root: Optional[Path] = None) -> list[str]:
+    """The InfiniBand devices the kernel lists under ``root`` (default ``IB_SYSFS``;
+    none when it is absent)."""
+    try:
+        return sorted(p.name for p in Path(root or IB_SYSFS).iterdir())
+    except OSError:
+        return []
+
+
+def process_gpu(device: Optional[int], environ: Mapping[str, str]) -> Optional[int]:
+    """The physical index of the GPU this process uses, or None when it cannot tell.
+    ``device``: the CUDA device (as the process numbers it) its tensors live on, when
+    known; else torch's current device once this process initialized CUDA; else the
+    only GPU ``CUDA_VISIBLE_DEVICES`` leaves it. ``CUDA_VISIBLE_DEVICES`` maps a
+    process's numbering to the physical one (UUIDs there: unknown)."""
+    visible = [v.strip() for v in environ["CUDA_VISIBLE_DEVICES"].split(",")] \
+        if environ.get("CUDA_VISIBLE_DEVICES", "").strip() else None
+    logical = device if device is not None and device >= 0 else None
+    if logical is None:
+        torch = sys.modules.get("torch")  # (never imported here: that alone costs seconds)
+        if torch is not None and torch.cuda.is_initialized():
+            logical = torch.cuda.current_device()
+        elif visible is not None and len(visible) == 1:
+            logical = 0
+    if logical is None:
+        return None
+    if visible is None:
+        return logical
+    return int(visible[logical]) if logical < len(visible) and visible[logical].isdigit() else None
+
+
+def net_devices_for(spec: str, gpu: Optional[int]) -> str:
+    """``UCX_NET_DEVICES`` for a process on ``gpu`` (None: unknown) from a node's
+    ``TH_UCX_NET_DEVICES`` (see the module's docstring)."""
+    entries = [e.strip() for e in spec.split(";")]
+    if len(entries) == 1:
+        return entries[0]
+    if gpu is not None and gpu < len(entries):
+        return entries[gpu]
+    return ",".join(dict.fromkeys(d for e in entries for d in e.split(",")))
+
+
+def ucx_environment(environ: Mapping[str, str], *, ib_root: Optional[Path] = None,
+                    device: Optional[int] = None) -> dict[str, str]:
+    """The UCX variables to set before a backend is created: none the process has."""
+    out = {}
+    if "UCX_MODULES" not in environ and not ib_devices(ib_root):
+        out["UCX_MODULES"] = "^ib"
+    spec = environ.get(NET_DEVICES_ENV, "").strip()
+    if spec and "UCX_NET_DEVICES" not in environ:
+        out["UCX_NET_DEVICES"] = net_devices_for(spec, process_gpu(device, environ))
+    return out
+
+
+def use_net_devices(value: Optional[str]) -> None:
+    """What an agent or runner does with its ``--ucx-net-devices`` flag (`th` passes
+    the node's ``ucx_net_devices``): keep it in this process's environment, where
+    ``load_nixl`` finds it. Call it before the first engine starts."""
+    if value:
+        os.environ[NET_DEVICES_ENV] = value
+
+
+def load_nixl(device: Optional[int] = None) -> ModuleType:
+    """NIXL's API module, with the UCX environment set (``device``: the CUDA device
+    this process's tensors live on, when known: it picks the NIC of a per-GPU list)."""
     wanted = os.environ.get("TH_NIXL_MODULE")
     candidates = (f"{wanted.removesuffix('._api')}._api",) if wanted else CANDIDATES
-    # UCX's InfiniBand module crashes (SIGSEGV) on hosts without IB devices; users with
-    # IB hardware set UCX_MODULES themselves.
-    os.environ.setdefault("UCX_MODULES", "^ib")
+    chosen = ucx_environment(os.environ, device=device)
+    if chosen:
+        log.info("UCX environment: %s", " ".join(f"{k}={v}" for k, v in chosen.items()))
+        os.environ.update(chosen)
     failures = []
     for name in candidates:
         try:

@@ -1,16 +1,23 @@
-"""Holder side of ``ReadBytes``: serving asked ranges of registered host memory.
+"""Holder side of ``ReadBytes``: serving asked ranges of registered host or device memory.
 
 Protocol. The endpoint keeps one ``Regions`` for every engine: a replica's regions
 are ``add``ed before the hub learns of them and ``remove``d before they are
 deregistered, so an ask is checked against memory that is still ours. ``serve_read``
 (called by the endpoint's asyncio peer server for each ``ReadBytes``) answers
-``Refused`` when the range is not wholly inside host memory we serve, else ``Bytes``
+``Refused`` when the range is not wholly inside one region we serve, else ``Bytes``
 and exactly ``nbytes`` raw bytes, streamed in 1 MiB slices so that at most one slice
-is buffered per connection. The send holds a reference to what registered the range
-(``add``'s ``owner``: the tensors) until it ends, so memory unpublished and dropped
-mid-send is never freed under it. Each slice must drain within ``send_timeout``
-(``SEND_TIMEOUT_S``, 30 s: a reader that stops receiving would otherwise pin that
-reference, and its connection, forever); past it the connection is closed.
+is buffered per connection. A range in device memory is sent through a pinned host
+staging buffer (``Regions(device_copy=)``, default torch's): each slice is copied
+device → staging (synchronous, on the loop's thread: one 1 MiB PCIe copy, not timed
+on a GPU yet) and sent as bytes of its own, since the transport may still hold what it
+was given when the next slice overwrites the staging buffer. A holder that cannot
+stage (no CUDA after all, no pinned memory) answers ``Refused`` ("unservable").
+
+The send holds a reference to what registered the range (``add``'s ``owner``: the
+tensors) until it ends, so memory unpublished and dropped mid-send is never freed
+under it. Each slice must drain within ``send_timeout`` (``SEND_TIMEOUT_S``, 30 s: a
+reader that stops receiving would otherwise pin that reference, and its connection,
+forever); past it the connection is closed.
 ``TH_TEST_SERVE_BPS`` throttles serving (bytes/s): a test hook that makes a read slow
 enough to unpublish under.
 """
@@ -22,7 +29,7 @@ import os
 import threading
 
 from . import wire
-from .base import Region, host_view
+from .base import DeviceCopy, Region, TorchDeviceCopy, host_view
 
 SLICE = 1 << 20
 SEND_TIMEOUT_S = 30.0  # one slice (1 MiB) to a reader that still receives takes far less
@@ -31,9 +38,10 @@ SEND_TIMEOUT_S = 30.0  # one slice (1 MiB) to a reader that still receives takes
 class Regions:
     """The memory an endpoint serves; every ask is checked against it. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_copy: DeviceCopy | None = None) -> None:
         self._lock = threading.Lock()
         self._by_handle: dict[int, tuple[list[Region], object]] = {}
+        self.device_copy = device_copy or TorchDeviceCopy()
 
     def add(self, key: int, regions: list[Region], owner: object = None) -> None:
         """From now on asks inside ``regions`` are served; ``owner`` (what keeps the
@@ -52,10 +60,17 @@ class Regions:
 
     def owner(self, addr: int, nbytes: int) -> object | None:
         """The owner of the host range ``addr .. addr + nbytes`` if we serve all of it."""
+        found = self.find(addr, nbytes)
+        return found[0] if found is not None and found[1] < 0 else None
+
+    def find(self, addr: int, nbytes: int) -> tuple[object, int] | None:
+        """(owner, device) of the range ``addr .. addr + nbytes`` if one region we
+        serve holds all of it (device -1: host memory)."""
         with self._lock:
             for regions, owner in self._by_handle.values():
-                if any(r.device < 0 and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes for r in regions):
-                    return owner
+                for r in regions:
+                    if r.addr <= addr and addr + nbytes <= r.addr + r.nbytes:
+                        return owner, r.device
         return None
 
 
@@ -71,20 +86,33 @@ async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.R
                      send_timeout: float = SEND_TIMEOUT_S) -> None:
     """Raises ``ConnectionError`` (the connection closed) when a slice does not drain
     within ``send_timeout`` seconds."""
-    owner = regions.owner(ask.addr, ask.nbytes) if ask.nbytes > 0 else None
-    if owner is None:
+    found = regions.find(ask.addr, ask.nbytes) if ask.nbytes > 0 else None
+    if found is None:
         writer.write(wire.frame(wire.Answer(body=wire.Refused(
             code="not_registered", message=f"{ask.nbytes} bytes at {ask.addr:#x} are not memory this endpoint serves"))))
         await _drain(writer, send_timeout)
         return
+    owner, device = found
+    try:
+        staged = regions.device_copy.staging(min(SLICE, ask.nbytes)) if device >= 0 else None
+    except Exception as exc:  # (no CUDA here after all, out of pinned memory): say so, keep the connection
+        writer.write(wire.frame(wire.Answer(body=wire.Refused(
+            code="unservable", message=f"cannot stage cuda:{device} memory for sending: {exc}"))))
+        await _drain(writer, send_timeout)
+        return
     writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=ask.nbytes))))
     rate = float(os.environ.get("TH_TEST_SERVE_BPS") or 0)
-    view = host_view(ask.addr, ask.nbytes)
+    view = host_view(ask.addr, ask.nbytes) if staged is None else None
     try:
         for start in range(0, ask.nbytes, SLICE):
-            writer.write(view[start:start + SLICE])
+            n = min(SLICE, ask.nbytes - start)
+            if staged is None:
+                writer.write(view[start:start + n])
+            else:
+                regions.device_copy.from_device(ask.addr + start, device, staged[0], n)
+                writer.write(bytes(host_view(staged[0], n)))
             await _drain(writer, send_timeout)
             if rate:
-                await asyncio.sleep(min(SLICE, ask.nbytes - start) / rate)
+                await asyncio.sleep(n / rate)
     finally:
-        del owner  # (held to here on purpose: the raw view keeps nothing alive)
+        del owner, staged  # (held to here on purpose: the raw views keep nothing alive)

@@ -27,8 +27,15 @@ it returns no read of this engine writes into memory again. A read it could not 
 end in time is logged by count: told to stop, it writes nothing more once its dial or
 its receive of bytes already buffered returns.
 
+Device memory. A read into CUDA memory (``device`` >= 0) receives each pair into a
+pinned host staging buffer, then copies it to the device (``DeviceCopy``, synchronous)
+before the next; the read is done only once every copy returned, and a read stopped
+mid-way wrote into the staging buffer, never into the target. The staging buffer is
+one per read, as big as its largest pair (a chunk), and lives as long as the read.
+
 Holder side: nothing here. The endpoint's peer server answers ``ReadBytes`` with
-``engines.serve`` for every engine, so registration only refuses device memory.
+``engines.serve`` for every engine (which stages device memory the same way), so
+registration accepts host and device memory alike.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 from . import wire
-from .base import Engine, EngineError, Pair, Region, State, host_view
+from .base import DeviceCopy, Engine, EngineError, Pair, Region, State, TorchDeviceCopy, host_view
 
 
 IDLE_S = 60.0
@@ -82,10 +89,12 @@ class TcpEngine(Engine):
     kind = "tcp"
 
     def __init__(self, token: str, *, timeout: float = 10.0, threads: int = 8, source: str | None = None,
-                 idle_s: float = IDLE_S):
+                 idle_s: float = IDLE_S, device_copy: DeviceCopy | None = None):
         """``idle_s``: how long a pooled connection may sit unused before it is closed
-        instead of reused (keep it below the holders' ``PeerServer(idle_s=)``)."""
+        instead of reused (keep it below the holders' ``PeerServer(idle_s=)``);
+        ``device_copy``: how reads into device memory reach it (default torch's)."""
         self._token = token
+        self._copy = device_copy or TorchDeviceCopy()
         self._timeout = timeout
         self._idle_s = idle_s
         self._source = source
@@ -96,8 +105,6 @@ class TcpEngine(Engine):
         self._closed = False
 
     def register(self, regions: list[Region]) -> object:
-        if any(r.device >= 0 for r in regions):
-            raise EngineError("the tcp engine serves host memory only; use nixl for CUDA tensors")
         return object()  # what we serve is the endpoint's serve.Regions, kept for every engine
 
     def describe(self, handle: object) -> bytes:
@@ -109,15 +116,14 @@ class TcpEngine(Engine):
     def add_peer(self, address: str, description: bytes) -> object:
         return address
 
-    def read(self, peer: object, pairs: list[Pair], device: int = -1) -> object:
-        if device >= 0:
-            raise EngineError("the tcp engine reads into host memory only")
+    def read(self, peer: object, pairs: list[Pair], device: int = -1, remote_device: int | None = None) -> object:
+        """``remote_device`` is not ours to use: the holder stages its own device memory."""
         xfer = TcpRead()
         with self._lock:  # (a read started beside close would escape its wait)
             if self._closed:
                 raise EngineError("the tcp engine is closed")
             self._reads.add(xfer)
-            xfer.future = self._pool.submit(self._read, str(peer), pairs, xfer)
+            xfer.future = self._pool.submit(self._read, str(peer), pairs, xfer, device)
         xfer.future.add_done_callback(lambda _: self._ended(xfer))
         return xfer
 
@@ -153,17 +159,20 @@ class TcpEngine(Engine):
             return False
         return False
 
-    def _read(self, address: str, pairs: list[Pair], xfer: TcpRead) -> None:
+    def _read(self, address: str, pairs: list[Pair], xfer: TcpRead, device: int) -> None:
+        staged = self._copy.staging(max(p.nbytes for p in pairs)) if device >= 0 and pairs else None
         sock, reused = self._conn(address)
         try:
-            self._read_over(sock, address, pairs, xfer, reused)
+            self._read_over(sock, address, pairs, xfer, reused, device, staged)
         except _Stale:
             sock = wire.dial(address, self._timeout, self._source)
-            self._read_over(sock, address, pairs, xfer, False)
+            self._read_over(sock, address, pairs, xfer, False, device, staged)
 
-    def _read_over(self, sock: socket.socket, address: str, pairs: list[Pair], xfer: TcpRead, reused: bool) -> None:
+    def _read_over(self, sock: socket.socket, address: str, pairs: list[Pair], xfer: TcpRead, reused: bool,
+                   device: int = -1, staged: tuple[int, object] | None = None) -> None:
         """Raises ``_Stale`` when ``reused`` and the holder had closed ``sock`` before
-        any byte of the first answer came."""
+        any byte of the first answer came. ``staged``: the host staging buffer (its
+        address, its keeper) a read into ``device`` memory receives into."""
         with xfer.lock:
             xfer.sock = sock
             stopped = xfer.stopped
@@ -188,7 +197,11 @@ class TcpEngine(Engine):
                 body = wire.recv_answer(sock).body
                 if not isinstance(body, wire.Bytes) or body.nbytes != pair.nbytes:
                     raise wire.PeerError(f"holder at {address} refused the read: {body}")
-                wire.recv_exact(sock, host_view(pair.local, pair.nbytes))
+                if staged is None:
+                    wire.recv_exact(sock, host_view(pair.local, pair.nbytes))
+                else:
+                    wire.recv_exact(sock, host_view(staged[0], pair.nbytes))
+                    self._copy.to_device(staged[0], pair.local, pair.nbytes, device)
         except BaseException:
             with xfer.lock:
                 xfer.sock = None

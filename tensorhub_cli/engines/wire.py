@@ -5,8 +5,10 @@ carries the cluster token, compared in constant time; a frame over ``MAX_ASK`` o
 a bad token is answered ``Refused`` and the connection closed. Two asks exist:
 
 - ``Describe(model, version)``: the holder answers ``Described`` with the address of
-  each chunk it holds memory for (a publisher: its shard's; a reader: every chunk) and its
-  engine's description (NIXL agent metadata), so that the reader's engine can read.
+  each chunk it holds memory for (a publisher: its shard's; a reader: every chunk), the
+  device that memory is on (-1: host; N: CUDA device N) and its engine's description
+  (NIXL agent metadata, which names the device too), so that the reader's engine can
+  read, naming both devices.
   This is how NIXL metadata travels without NIXL's own unauthenticated listener.
 - ``ReadBytes(addr, nbytes)``: the tcp engine's read. The holder answers ``Bytes`` and
   then exactly ``nbytes`` raw bytes from its registered memory, or ``Refused`` when the
@@ -48,7 +50,7 @@ class Described(msgspec.Struct, tag="described"):
     description: bytes
     rank: int  # >= 0: addrs are that shard's chunks; -1: every global chunk
     addrs: list[int]
-    device: int = -1
+    device: int = -1  # the holder's memory: -1 host, N CUDA device N (a read names it as remote_device)
 
 
 class Bytes(msgspec.Struct, tag="bytes"):

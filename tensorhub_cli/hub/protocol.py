@@ -43,7 +43,12 @@ class TensorMeta(Msg):
 
 class ChunkMeta(Msg):
     nbytes: int
-    checksum: int  # XXH3-64 of the chunk's bytes
+    checksum: int  # the chunk's bytes hashed with ``digest`` (an unsigned 64-bit int)
+    # Which digest ``checksum`` is (layout/checksum.py): "xxh3" (XXH3-64, host memory) or
+    # "dev64" (computed with torch ops on the publisher's GPU; a reader recomputes it on
+    # its own device, CPU included). The default is omitted on the wire, so host-published
+    # manifests encode as before and manifests from before this field decode as xxh3.
+    digest: Literal["xxh3", "dev64"] = "xxh3"
 
 
 class Manifest(Msg):
@@ -138,6 +143,10 @@ class Plan(Msg, tag="plan"):
     chunks: list[int] = []
     failed: list[Read] = []
     incarnation: str = ""
+    # Plan only these chunks (a little-endian bitmask of chunk ids; a collective
+    # member's stripe, endpoint/collective.py); ``complete`` once they are held.
+    # Empty: every chunk.
+    want: bytes = b""
 
 
 class Progress(Msg, tag="progress"):
@@ -284,7 +293,7 @@ class Planned(Msg, tag="planned"):
     reads: list[Read]  # every read outstanding for this reader, old and new
     sources: list[Source]  # the endpoints those reads name
     waiting: int = 0  # chunks held only beyond a DC link whose seed is still filling
-    complete: bool = False  # the reader already holds every chunk
+    complete: bool = False  # the reader already holds every chunk (every wanted one)
 
 
 class Command(Msg, tag="command"):

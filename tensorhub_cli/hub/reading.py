@@ -43,7 +43,8 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     rep = v.replicas.get(op.name)
     if rep is None:  # a reader is a (partial) holder from its first plan on
         rep = v.replicas[op.name] = Replica(endpoint=op.name)
-    if rep.held == v.full:
+    want = int.from_bytes(op.want, "little") & v.full if op.want else v.full
+    if rep.held & want == want:
         return p.Planned(reads=[], sources=[], complete=True)
     _drop_lost_reads(hub, now, v, op.name)
     reads = v.reads.get(op.name, {})
@@ -52,7 +53,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         assigned |= 1 << chunk
         mine[source] = mine.get(source, 0) + 1
     window = max(1, min(op.window, hub.config.max_window))
-    needed = v.full & ~rep.held & ~assigned
+    needed = want & ~rep.held & ~assigned
     limit = window - len(reads)
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
     if limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)

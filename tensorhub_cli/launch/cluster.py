@@ -44,7 +44,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, SpecError, load, resolve_path
 from ..spec.diff import changed_fields
-from .launchers import UpError, endpoint_timeout_args, launcher_for
+from .launchers import UpError, endpoint_timeout_args, launcher_for, ucx_net_devices_args
 from .procs import STOP_TIMEOUT_S, endpoint_name
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
 
@@ -97,7 +97,7 @@ def agent_args(spec: ClusterSpec, state: ClusterState, launcher, node, token: st
             "--node", node.name,
             "--address", node.spec.address, "--dc", node.dc, "--rack", node.rack,
             "--heartbeat-s", str(spec.hub.heartbeat_s), "--engine", spec.engine,
-            *endpoint_timeout_args(spec)] + (["--spot"] if node.spec.spot else [])
+            *endpoint_timeout_args(spec), *ucx_net_devices_args(node)] + (["--spot"] if node.spec.spot else [])
 
 
 def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIMEOUT_S, log=print,

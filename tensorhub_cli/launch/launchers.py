@@ -2,7 +2,12 @@
 
 ``launcher_for(kind, spec, state_dir)`` returns the local or the ssh launcher (both:
 start, alive, stop, logs by ``ProcRecord``); ``endpoint_timeout_args(spec)`` turns the
-spec's ``endpoints`` limits into the flags agents and runners take. Both ``cluster``
+spec's ``endpoints`` limits into the flags agents and runners take, and
+``ucx_net_devices_args(node)`` the node's ``ucx_net_devices`` into the flag by which
+an agent or runner sets ``TH_UCX_NET_DEVICES`` in its own environment before its
+engine starts (``engines.nixl_shim`` turns that into ``UCX_NET_DEVICES`` for the
+process's GPU). A flag, not the launchers' environment, so that it reaches the process
+the same way over ssh and locally, and shows in its command line. Both ``cluster``
 (up, down, reconcile) and ``scale`` use them, so they live below both.
 """
 
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..spec import ClusterSpec, load
+from ..spec import ClusterSpec, PlacedNode, load
 from .local import LocalLauncher
 
 
@@ -34,3 +39,12 @@ def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:
     e = spec.endpoints
     return ["--read-timeout-s", str(e.read_timeout_s), "--plan-timeout-s", str(e.plan_timeout_s),
             "--drain-timeout-s", str(e.drain_timeout_s)]
+
+
+def ucx_net_devices_args(node: PlacedNode) -> list[str]:
+    """``--ucx-net-devices VALUE`` for a process on ``node`` (none when the node does
+    not set ``ucx_net_devices``): its device list, or the per-GPU entries joined by ``;``."""
+    value = node.spec.ucx_net_devices
+    if value is None:
+        return []
+    return ["--ucx-net-devices", value if isinstance(value, str) else ";".join(value)]

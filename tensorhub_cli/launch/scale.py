@@ -51,7 +51,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
 from ..agent.supervise import restart_args
-from .launchers import endpoint_timeout_args, launcher_for
+from .launchers import endpoint_timeout_args, launcher_for, ucx_net_devices_args
 from .procs import ProcRecord, endpoint_name
 from .state import ClusterState, cluster_dir, read_token, write_state
 
@@ -186,7 +186,8 @@ class Operator:
         args = ["--hub", self.state.hub_address, "--token-file", self.launcher.token_path(node, self.token),
                 "--name", name, "--node", node.spec.name, "--host", node.spec.address,
                 "--dc", node.dc, "--rack", node.rack, "--engine", self.spec.engine,
-                "--heartbeat-s", str(self.spec.hub.heartbeat_s), *endpoint_timeout_args(self.spec)]
+                "--heartbeat-s", str(self.spec.hub.heartbeat_s), *endpoint_timeout_args(self.spec),
+                *ucx_net_devices_args(node)]
         if role == "rollout" and node.spec.spot:
             args.append("--spot")
         return module, args + (runner.args if runner else [])

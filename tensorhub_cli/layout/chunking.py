@@ -1,20 +1,24 @@
 """Publisher side: cut a state_dict into a manifest's chunks, where the tensors lie.
 
-Protocol. ``lay_out(state_dict, chunk_bytes, small_bytes)`` returns the ``Manifest``
-(tensors in the state_dict's order, each chunk's size and checksum) and the ``Placed``
-to register. Tensors of at least ``small_bytes`` are chunked where they lie (never
-copied), each starting a new chunk so that a chunk never spans two of them; smaller
-tensors are copied once into one staging buffer, laid out first and chunked as a
-whole. The caller must not change the big tensors while the manifest is published:
-their checksums were taken here. Raises ``LayoutError`` (nothing copied) when a
-tensor cannot register.
+Protocol. ``lay_out(state_dict, chunk_bytes, small_bytes, digest=None)`` returns the
+``Manifest`` (tensors in the state_dict's order, each chunk's size, checksum and digest
+kind) and the ``Placed`` to register. Tensors of at least ``small_bytes`` are chunked
+where they lie (never copied), each starting a new chunk so that a chunk never spans
+two of them; smaller tensors are copied once into one staging buffer, laid out first
+and chunked as a whole. Checksums are taken where the tensors lie: ``digest=None``
+picks the kind from their device (``digest_for``: dev64 on a GPU, no host copy; XXH3
+on the host); naming a kind forces it (tests hash CPU tensors as dev64). The caller
+must not change the big tensors while the manifest is published: their checksums
+were taken here. Raises ``LayoutError`` (nothing copied) when a tensor cannot
+register or ``digest`` names no kind.
 """
 
 from __future__ import annotations
 
 from ..engines.base import Region
 from ..hub import protocol as p
-from .checksum import checksum
+from .checksum import DIGESTS, digest_for
+from .checksum import digest as digest_of
 from .placed import Placed
 from .tensors import LayoutError, check_tensors, dtype_name, flat_bytes
 
@@ -22,13 +26,15 @@ CHUNK_BYTES = 16 << 20
 SMALL_BYTES = 1 << 20
 
 
-def lay_out(state_dict: dict, chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES
-            ) -> tuple[p.Manifest, Placed]:
+def lay_out(state_dict: dict, chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES,
+            digest: str | None = None) -> tuple[p.Manifest, Placed]:
     import torch
 
     problems, device = check_tensors(state_dict)
     if not state_dict:
         problems.append("the state_dict is empty")
+    if digest is not None and digest not in DIGESTS:
+        problems.append(f"digest: {digest!r} is not one of {', '.join(DIGESTS)}")
     if problems:
         raise LayoutError("cannot publish this state_dict", problems)
     small = {n: t for n, t in state_dict.items() if t.nbytes < small_bytes}
@@ -48,7 +54,9 @@ def lay_out(state_dict: dict, chunk_bytes: int = CHUNK_BYTES, small_bytes: int =
         metas[name] = p.TensorMeta(name=name, dtype=dtype_name(t), shape=list(t.shape), nbytes=t.nbytes, offset=offset)
         _add_span(placed, t, t.nbytes, chunk_bytes)
         offset += t.nbytes
-    chunks = [p.ChunkMeta(nbytes=v.nbytes, checksum=checksum(v)) for v in placed.views]
+    kind = digest or digest_for(device)
+    placed.digests = [kind] * len(placed.views)
+    chunks = [p.ChunkMeta(nbytes=v.nbytes, checksum=digest_of(v, kind), digest=kind) for v in placed.views]
     manifest = p.Manifest(tensors=[metas[n] for n in state_dict], chunks=chunks, chunk_bytes=chunk_bytes)
     return manifest, placed
 

@@ -1,9 +1,11 @@
 """Where a layout's chunks lie in our memory: the record ``lay_out`` and ``place`` return.
 
 Protocol. ``Placed.views[c]`` is chunk ``c``'s bytes in our memory (a flat uint8
-tensor); ``regions`` is what an engine must register to serve or receive them. A chunk
-that spans tensors of a reader's destination lands in a staging buffer: once it is
-verified, ``finish(c)`` copies it into those tensors (before that they are untouched).
+tensor), ``digests[c]`` the kind of digest its manifest names (``checksum(c)``
+computes that one, on the view's own device for ``dev64``); ``regions`` is what an
+engine must register to serve or receive them. A chunk that spans tensors of a
+reader's destination lands in a staging buffer: once it is verified, ``finish(c)``
+copies it into those tensors (before that they are untouched).
 The memory stays valid while the ``Placed`` (which keeps every tensor alive) does.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engines.base import Region
-from .checksum import checksum
+from .checksum import digest
 
 
 @dataclass(slots=True)
@@ -32,12 +34,13 @@ class Placed:
     device: int = -1
     scatter: dict[int, list[Piece]] = field(default_factory=dict)
     keep: list = field(default_factory=list)  # tensors the regions point into
+    digests: list[str] = field(default_factory=list)  # per chunk: its manifest's ChunkMeta.digest
 
     def addr(self, chunk: int) -> int:
         return self.views[chunk].data_ptr()
 
     def checksum(self, chunk: int) -> int:
-        return checksum(self.views[chunk])
+        return digest(self.views[chunk], self.digests[chunk])
 
     def finish(self, chunk: int) -> None:
         """A verified staged chunk: copy its bytes into the destination tensors."""

@@ -9,7 +9,8 @@ Protocol.
   tensors lands in a staging buffer and reaches them by ``Placed.finish``. Raises
   ``LayoutError`` with ``into`` untouched when it does not fit.
 - ``verify(shards, into)`` → problems, re-hashing ``into`` itself chunk by chunk
-  (empty: byte for byte the version). Reads only.
+  with each chunk's digest kind, on ``into``'s own device (empty: byte for byte the
+  version). Reads only.
 - ``allocate(shards, device)`` → fresh tensors matching the manifest.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from ..engines.base import Region
 from ..hub import protocol as p
-from .checksum import checksum
+from .checksum import digest
 from .placed import Piece, Placed
 from .tensors import LayoutError, check_tensors, device_of, dtype_name, flat_bytes
 
@@ -88,6 +89,7 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
             else:
                 placed.views.append(None)  # filled below, once the staging buffer exists
                 staged.append(_Staged(len(placed.views) - 1, start, end, m))
+            placed.digests.append(c.digest)
             start = end
     used = {name for name, t in into.items() if t.nbytes}
     for name in used:
@@ -135,8 +137,9 @@ def verify(shards: list[p.Manifest], into: dict) -> list[str]:
             end = start + c.nbytes
             pieces = [(t.name, flat_bytes(into[t.name])[lo - t.offset:hi - t.offset])
                       for t, lo, hi in _spans(m, start, end)]
-            flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b.cpu() for _, b in pieces])
-            if checksum(flat) != c.checksum:
+            # Joined where they lie: a dev64 chunk is hashed on its own device.
+            flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b for _, b in pieces])
+            if digest(flat, c.digest) != c.checksum:
                 names = ", ".join(n for n, _ in pieces[:3]) + (" …" if len(pieces) > 3 else "")
                 problems.append(f"shard {rank} chunk {i} ({names}): checksum differs from the manifest")
             start = end

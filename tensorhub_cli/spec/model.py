@@ -8,9 +8,10 @@ the CLI — reads only these models, never the raw YAML.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+import re
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from ..names import MODEL_PATTERN
 
@@ -75,6 +76,10 @@ class Bootstrap(Strict):
     )
 
 
+# A UCX device list as UCX_NET_DEVICES takes it: names with an optional port, by commas.
+UCX_DEVICES = re.compile(r"[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*")
+
+
 class NodeSpec(Strict):
     name: Name
     address: str = Field(min_length=1, max_length=253)
@@ -84,6 +89,33 @@ class NodeSpec(Strict):
     spot: bool = False
     ssh: Optional[SshSpec] = None
     bootstrap: Optional[Bootstrap] = None
+    ucx_net_devices: Optional[Union[str, list[str]]] = Field(
+        default=None,
+        description="the NICs UCX may use on this node (UCX_NET_DEVICES, e.g. 'mlx5_0:1'): one device list for "
+                    "every process of the node, or a list of one entry per GPU (entry i: GPU i's NIC, so each "
+                    "process reads over the NIC next to its GPU); a UCX_NET_DEVICES already in a process's "
+                    "environment wins",
+    )
+
+    @field_validator("ucx_net_devices", mode="before")
+    @classmethod
+    def _ucx_devices(cls, value: object, info: ValidationInfo) -> object:
+        # Before pydantic's own union check: its errors would name the union's arms.
+        if value is None:
+            return value
+        entries = value if isinstance(value, list) else [value]
+        if not isinstance(value, (str, list)) or not entries:
+            raise ValueError("takes a UCX device list ('mlx5_0:1') or a list of one per GPU")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, str) or not UCX_DEVICES.fullmatch(entry):
+                where = f"entry {i}: " if isinstance(value, list) else ""
+                raise ValueError(f"{where}{entry!r} is not a UCX device list (names with an optional :port, "
+                                 "separated by commas, e.g. 'mlx5_0:1')")
+        gpus = info.data.get("gpus")
+        if isinstance(value, list) and gpus is not None and len(value) != gpus:
+            raise ValueError(f"lists {len(value)} entries, one per GPU, but the node has gpus: {gpus} "
+                             "(one device list for the whole node is a plain string)")
+        return value
 
 
 class RackSpec(Strict):

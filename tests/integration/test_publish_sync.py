@@ -230,3 +230,67 @@ def test_calls_after_close_raise_the_closed_endpoint_error(api):
         with pytest.raises(EndpointError, match="closed") as exc:
             call()
         assert isinstance(exc.value, TensorHubError)
+
+
+def counting(engine) -> dict:
+    """Counts ``engine``'s register/deregister calls (it still makes them)."""
+    calls = {"register": 0, "deregister": 0}
+    for name in calls:
+        def wrapped(*args, _real=getattr(engine, name), _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        setattr(engine, name, wrapped)
+    return calls
+
+
+def test_in_place_versions_register_once_at_the_publisher_and_at_the_reader(api):
+    pub, reader = api("trainer"), api("rollout")
+    published, fetched = counting(pub.engine), counting(reader.engine)
+    sd = weights(1)
+    into = {k: torch.zeros_like(v) for k, v in sd.items()}
+    for version in (1, 2, 3):
+        if version > 1:
+            pub.unpublish("policy", version - 1, timeout=20)
+            for t in sd.values():  # the optimizer step, in place
+                t.mul_(0.5).add_(version)
+        pub.publish("policy", version, sd)
+        assert reader.fetch("policy", version, into=into, timeout=20) == version  # into the same tensors
+        assert all(torch.equal(into[k], v) for k, v in sd.items()), version
+    assert published == {"register": 1, "deregister": 0} and fetched == {"register": 1, "deregister": 0}
+    pub.close(drain_timeout=0)
+    reader.close(drain_timeout=0)
+    assert published == {"register": 1, "deregister": 1} and fetched == {"register": 1, "deregister": 1}
+
+
+def test_fetch_makes_the_callers_stream_wait_for_its_last_scatter_before_returning(api, monkeypatch):
+    """The real transfer loop against a real hub, with torch's CUDA calls recorded
+    (``endpoint.streams``: host tensors go through the same calls, as no-ops)."""
+    from tensorhub_cli.endpoint import streams
+    from tensorhub_cli.layout import Placed
+
+    from ..unit.test_stream_order import Recorder
+
+    log: list = []
+    monkeypatch.setattr(streams, "_streams", Recorder(log))
+    real_finish = Placed.finish
+
+    def finish_logged(self, chunk):
+        if chunk in self.scatter:
+            log.append(("scatter", chunk))
+        return real_finish(self, chunk)
+
+    monkeypatch.setattr(Placed, "finish", finish_logged)
+    pub, reader = api("trainer"), api("rollout")
+    pub.publish("policy", 1, weights(1))  # "a" and "b" share a chunk: the reader stages and scatters it
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    log.clear()
+    assert reader.fetch("policy", 1, into=into, timeout=20) == 1
+    done = list(log)
+    steps = [e[0] for e in done]
+    last = max(i for i, k in enumerate(steps) if k == "scatter")
+    records = [e for e in done[last:] if e[0] == "record"]
+    waits = [e for e in done[last:] if e[0] == "wait"]
+    assert records and waits, steps
+    assert waits[-1][1] == f"{threading.current_thread().name}/-1", waits  # the caller's current stream
+    assert waits[-1][2] is records[-1][2] and steps.index("wait", last) > steps.index("record", last)
+    assert all(torch.equal(into[k], v) for k, v in weights(1).items())

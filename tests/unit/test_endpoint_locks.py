@@ -43,6 +43,7 @@ def bare_endpoint() -> Endpoint:
     """An endpoint with no hub and no threads: what publish touches, and a hub that says yes."""
     ep = Endpoint.__new__(Endpoint)
     ep.name, ep.incarnation, ep.chunk_bytes, ep.small_bytes = "e", "i1", 1 << 20, 1 << 10
+    ep.info = p.EndpointInfo(name="e", node="n")
     ep._lock = threading.Lock()
     ep._replicas = Guarded(ep._lock)
     ep.served = Regions()

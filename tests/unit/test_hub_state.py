@@ -652,3 +652,21 @@ def test_publish_refuses_a_bad_model_name_and_a_version_being_withdrawn():
     with pytest.raises(HubFault) as exc:
         publish(hub, 0, "r", 2, manifest(1))
     assert exc.value.code == "conflict" and "being withdrawn" in exc.value.message
+
+
+def test_a_plan_with_want_plans_pins_and_completes_only_those_chunks():
+    """A collective member reads its stripe (``Plan.want``, endpoint/collective.py):
+    only wanted chunks are planned and pinned, and the plan is complete once they are
+    held, though the replica is still partial."""
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n0"), info("r", node="n1"))
+    publish(hub, 0, "t", 1, manifest(6))
+    want = (1 << 1 | 1 << 4).to_bytes(1, "little")
+    planned = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8, want=want))
+    assert sorted(r.chunk for r in planned.reads) == [1, 4] and not planned.complete
+    assert sorted(hub.models["policy"][1].reads["r"]) == [1, 4]  # pinned: only those
+    done = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8, want=want, chunks=[1, 4]))
+    assert done.complete and done.reads == []
+    assert hub.models["policy"][1].replicas["r"].held == 1 << 1 | 1 << 4  # partial: the rest is not ours
+    everything = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8))  # no want: every chunk
+    assert sorted(r.chunk for r in everything.reads) == [0, 2, 3, 5] and not everything.complete

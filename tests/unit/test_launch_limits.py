@@ -145,4 +145,5 @@ def test_endpoint_processes_get_the_specs_endpoint_limits(tmp_path):
         usage = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
                                cwd=REPO).stdout
         assert all(flag in usage for flag in launchers.endpoint_timeout_args(spec)[::2]), module
+        assert "--ucx-net-devices" in usage, module  # `th` passes a node's ucx_net_devices to every process
 

@@ -51,7 +51,7 @@ def engine(monkeypatch):
 def test_close_releases_posted_transfers_before_dropping_the_agent(engine):
     agent = FakeAgent(busy_releases=3)
     eng = engine(agent)
-    eng.read(("remote", "DRAM"), [Pair(0x1000, 0x2000, 64)])
+    eng.read(nixl_engine.NixlPeer("remote", "DRAM", 0), [Pair(0x1000, 0x2000, 64)])
     eng.close()
     assert not agent.posted, "the agent was dropped with a transfer still posted"
 
@@ -59,7 +59,7 @@ def test_close_releases_posted_transfers_before_dropping_the_agent(engine):
 def test_close_gives_up_after_its_timeout_and_keeps_the_agent(engine):
     agent = FakeAgent(busy_releases=-1)
     eng = engine(agent)
-    eng.read(("remote", "DRAM"), [Pair(0x1000, 0x2000, 64)])
+    eng.read(nixl_engine.NixlPeer("remote", "DRAM", 0), [Pair(0x1000, 0x2000, 64)])
     start = time.monotonic()
     eng.close(timeout=0.2)
     assert time.monotonic() - start < 2

@@ -92,6 +92,10 @@ BAD = [
     ("drain-timeout-negative", lambda d: set_in(d, ("endpoints",), {"drain_timeout_s": -1}), "endpoints.drain_timeout_s", "greater than 0"),
     ("drain-timeout-text", lambda d: set_in(d, ("endpoints",), {"drain_timeout_s": "long"}), "endpoints.drain_timeout_s", "number"),
     ("endpoints-unknown-key", lambda d: set_in(d, ("endpoints",), {"read_timeout": 5}), "endpoints.read_timeout", "unknown key"),
+    ("ucx-devices-not-one-per-gpu", lambda d: (set_in(d, N0 + ("gpus",), 2), set_in(d, N0 + ("ucx_net_devices",), ["mlx5_0:1"])), "topology.datacenters[0].racks[0].nodes[0].ucx_net_devices", "lists 1 entries, one per GPU, but the node has gpus: 2"),
+    ("ucx-devices-bad-name", lambda d: set_in(d, N0 + ("ucx_net_devices",), "mlx5_0:1;mlx5_1:1"), "topology.datacenters[0].racks[0].nodes[0].ucx_net_devices", "is not a UCX device list"),
+    ("ucx-devices-bad-entry", lambda d: (set_in(d, N0 + ("gpus",), 2), set_in(d, N0 + ("ucx_net_devices",), ["mlx5_0:1", 7])), "topology.datacenters[0].racks[0].nodes[0].ucx_net_devices", "entry 1: 7 is not"),
+    ("ucx-devices-number", lambda d: set_in(d, N0 + ("ucx_net_devices",), 5), "topology.datacenters[0].racks[0].nodes[0].ucx_net_devices", "takes a UCX device list"),
 ]
 
 
@@ -225,3 +229,18 @@ def test_endpoints_defaults_and_override(tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
     s = load(tmp_path / "s.yaml")
     assert (s.endpoints.drain_timeout_s, s.endpoints.read_timeout_s) == (7.5, 30.0)
+
+
+def test_ucx_net_devices_per_node_or_per_gpu(tmp_path):
+    doc = copy.deepcopy(BASE)
+    set_in(doc, N0 + ("gpus",), 2)
+    set_in(doc, N0 + ("ucx_net_devices",), ["mlx5_0:1", "mlx5_1:1,mlx5_2:1"])
+    set_in(doc, N1 + ("ucx_net_devices",), "mlx5_0:1")
+    result = check(tmp_path, doc)
+    assert result.exit_code == 0, result.output
+    s = load(tmp_path / "spec.yaml")
+    assert s.node("node1").spec.ucx_net_devices == ["mlx5_0:1", "mlx5_1:1,mlx5_2:1"]
+    assert s.node("node2").spec.ucx_net_devices == "mlx5_0:1"
+    assert s.node("node3").spec.ucx_net_devices is None
+    schema = json.loads(runner.invoke(app, ["spec", "schema"]).output)
+    assert "one entry per GPU" in schema["$defs"]["NodeSpec"]["properties"]["ucx_net_devices"]["description"]
