@@ -21,9 +21,11 @@ Protocol:
   ``Restarts.after`` decides: restart after a backoff, or stop with an outcome:
   ``finished`` (exit 0 under ``on-failure``), ``exited`` (``never``) or ``gave_up``
   (``max_restarts`` within ``window_s`` used up).
-- Its last line in the log is ``[th-supervise] outcome {"outcome": ..., "exit": ..., "restarts": ...}``
-  (``OUTCOME_TAG``): ``th up`` reads it from a dead runner's log to tell a finished
-  runner (forgotten) from a crashed one (restarted).
+- Its last line in the log is ``[th-supervise] outcome {"outcome": ..., "exit": ...,
+  "restarts": ..., "pid": ...}`` (``OUTCOME_TAG``): ``th up`` reads it from a dead
+  runner's log to tell a finished runner (forgotten) from a crashed one (restarted).
+  Every line names the supervisor's pid, since one log file serves every restart of
+  a name.
 
 Why one supervisor per runner and not a thread of the node's agent: an agent that
 dies (``kill_agent``) must not take the node's GPU runners with it, and a runner's
@@ -78,16 +80,25 @@ class Restarts:
         return "restart", delay
 
 
-def outcome_of(log_tail: str) -> Optional[dict]:
-    """The supervisor's final record in a log's tail, or None if it wrote none (it
-    was killed, or the process was never supervised)."""
+def outcome_of(log_tail: str, pid: int) -> Optional[dict]:
+    """The final record of supervisor ``pid`` in a log's tail, or None if it wrote none
+    (it was killed, or never supervised). A log outlives restarts, so an older
+    supervisor's record there is not this one's."""
     for line in reversed(log_tail.splitlines()):
         if line.startswith(OUTCOME_TAG):
             try:
-                return json.loads(line[len(OUTCOME_TAG):])
+                record = json.loads(line[len(OUTCOME_TAG):])
             except ValueError:
-                return None
+                continue
+            if record.get("pid") == pid:
+                return record
     return None
+
+
+def exited_line(name: str, pid: int) -> str:
+    """What supervisor ``pid`` of runner ``name`` logs when its runner exits on its own
+    (``scale`` watches for it: a runner that dies before it registered is a bad start)."""
+    return f"[th-supervise] {name}[{pid}]: runner exited"
 
 
 def restart_args(restart) -> list[str]:
@@ -114,7 +125,8 @@ class Supervisor:
         self.incarnation = ""
 
     def say(self, text: str) -> None:
-        print(f"[th-supervise] {self.args.name}: {text}", flush=True)
+        # our pid on every line: the log is appended to across restarts of the name
+        print(f"[th-supervise] {self.args.name}[{os.getpid()}]: {text}", flush=True)
 
     def forward(self, sig: int, _frame=None) -> None:
         self.leaving.set()
@@ -167,7 +179,7 @@ class Supervisor:
             if self.leaving.wait(delay):
                 outcome = "left"
                 break
-        record = {"outcome": outcome, "exit": code, "restarts": len(self.restarts.times)}
+        record = {"outcome": outcome, "exit": code, "restarts": len(self.restarts.times), "pid": os.getpid()}
         print(OUTCOME_TAG + json.dumps(record), flush=True)
         return code
 

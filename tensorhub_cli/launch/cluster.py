@@ -188,7 +188,7 @@ def finished(launcher, rec) -> dict | None:
     0, so ``th up`` forgets it instead of restarting it), else None."""
     from ..agent.supervise import outcome_of
 
-    outcome = outcome_of(launcher.log_tail(rec, 5))
+    outcome = outcome_of(launcher.log_tail(rec, 5), rec.pid)
     return outcome if outcome and outcome["exit"] == 0 and outcome["outcome"] in ("finished", "exited") else None
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, PlacedNode, load
-from ..agent.supervise import restart_args
+from ..agent.supervise import exited_line, restart_args
 from .launchers import endpoint_timeout_args, launcher_for, ucx_net_devices_args
 from .procs import ProcRecord, endpoint_name
 from .state import ClusterState, cluster_dir, read_token, write_state
@@ -300,7 +300,7 @@ class Operator:
             for name, rec in want.items():
                 # Its supervisor would restart it, but a runner that dies before it ever
                 # registered is a bad start (arguments, imports): fail now, all or nothing.
-                if not self.launcher.alive(rec) or f"{name}: runner exited" in self.launcher.log_tail(rec, 40):
+                if not self.launcher.alive(rec) or exited_line(name, rec.pid) in self.launcher.log_tail(rec, 40):
                     raise ScaleError(f"{name} exited before registering; its log ends:\n{self.launcher.log_tail(rec)}")
             if want and time.monotonic() > deadline:
                 raise ScaleError(f"{', '.join(sorted(want))}: not registered within {self.register_timeout:.0f}s")

@@ -1,7 +1,7 @@
 """A stand-in runner for supervisor tests: ``python -m tests.integration.flaky``.
 
 Each start appends a line to ``--counter``. The first ``--fail-times`` starts exit with
-``--code`` (after registering as endpoint ``--name`` at ``--hub`` if given, so the hub
+``--code``, ``--crash-after-s`` after starting (and after registering as endpoint ``--name`` at ``--hub`` if given, so the hub
 has a live endpoint to lose); later starts register too, then stay until SIGTERM
 (exit 0) or, with ``--finish``, exit 0 at once.
 """
@@ -12,6 +12,7 @@ import argparse
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--hub")
     ap.add_argument("--token-file", type=Path)
     ap.add_argument("--name", default="flaky")
+    ap.add_argument("--crash-after-s", type=float, default=0.0, help="a failing start lives this long first")
     args, _ = ap.parse_known_args()  # a runner gets place and timeout flags it does not need
     with open(args.counter, "a") as f:
         f.write(f"{os.getpid()} {os.environ.get('TH_INCARNATION', '')}\n")
@@ -38,6 +40,7 @@ def main() -> None:
                      connect_timeout=20)
         print(f"registered {ep.name} incarnation {ep.incarnation}", flush=True)
     if starts <= args.fail_times:
+        time.sleep(args.crash_after_s)
         os._exit(args.code)  # a crash: no deregistration, no cleanup
     if not args.finish:
         stop.wait(120)

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tensorhub_cli.agent.supervise import OUTCOME_TAG
+from tensorhub_cli.agent.supervise import outcome_of
 from tensorhub_cli.bench.rig import HubProcess
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.client import HubClient
@@ -38,10 +38,11 @@ def starts(tmp_path) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def outcome(log: Path) -> dict:
-    lines = [x for x in log.read_text().splitlines() if x.startswith(OUTCOME_TAG)]
-    assert lines, log.read_text()
-    return json.loads(lines[-1][len(OUTCOME_TAG):])
+def outcome(log: Path, pid: int) -> dict:
+    record = outcome_of(log.read_text(), pid)
+    assert record is not None, log.read_text()
+    assert record.pop("pid") == pid
+    return record
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_a_crashed_runner_is_deregistered_at_once_and_restarted_under_a_new_inca
 
         os.kill(proc.pid, signal.SIGTERM)  # leave: passed on, not restarted
         assert proc.wait(timeout=20) == 0
-        assert outcome(log) == {"outcome": "left", "exit": 0, "restarts": 1}
+        assert outcome(log, proc.pid) == {"outcome": "left", "exit": 0, "restarts": 1}
         assert len(starts(tmp_path)) == 2 and not psutil.pid_exists(int(pid))
     finally:
         client.close()
@@ -81,13 +82,13 @@ def test_restarts_stop_at_max_restarts_and_a_clean_exit_is_finished(tmp_path):
     proc, log = supervise(tmp_path, "--backoff-s", "0.05", "--max-restarts", "2",
                           runner=["--fail-times", "9", "--code", "3"])
     assert proc.wait(timeout=30) == 3
-    assert outcome(log) == {"outcome": "gave_up", "exit": 3, "restarts": 2} and len(starts(tmp_path)) == 3
+    assert outcome(log, proc.pid) == {"outcome": "gave_up", "exit": 3, "restarts": 2} and len(starts(tmp_path)) == 3
 
     other = tmp_path / "finish"
     other.mkdir()
     proc, log = supervise(other, "--backoff-s", "0.05", runner=["--fail-times", "1", "--finish"])
     assert proc.wait(timeout=30) == 0
-    assert outcome(log) == {"outcome": "finished", "exit": 0, "restarts": 1} and len(starts(other)) == 2
+    assert outcome(log, proc.pid) == {"outcome": "finished", "exit": 0, "restarts": 1} and len(starts(other)) == 2
 
 
 def test_a_supervisor_killed_with_sigkill_takes_its_runner_along(tmp_path):
@@ -135,6 +136,32 @@ def test_th_up_starts_a_roles_count_supervised_and_forgets_a_runner_that_finishe
         assert len(starts(tmp_path)) == 2  # not restarted
         procs = json.loads(th("status", "-c", name, "--json").stdout)["processes"]
         assert not [p for p in procs if p["role"] == "rollout"]
+    finally:
+        down = th("down", "-c", name)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_th_up_restarts_a_runner_whose_supervisor_gave_up(th_home, local_spec, tmp_path):
+    """The log file outlives restarts: the old supervisor's "runner exited" lines and
+    outcome must not fail the new one's start, nor make `th up` take it for finished."""
+    import yaml
+
+    doc = yaml.safe_load(local_spec.read_text())
+    name = doc["name"]
+    doc["roles"]["rollout"].update(count=1, restart={"backoff_s": 0.1, "max_restarts": 1}, runner={
+        "command": "tests.integration.flaky",
+        "args": ["--counter", str(tmp_path / "starts"), "--fail-times", "2", "--crash-after-s", "1.5"]})
+    local_spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    try:
+        up = th("up", str(local_spec))
+        assert up.returncode == 0, up.stdout + up.stderr
+        log = next(p for p in (th_home / name / "logs").iterdir() if p.name.startswith("rollout-node2"))
+        wait_until(lambda: '"outcome": "gave_up"' in log.read_text(), 30, "the supervisor to give up")
+        assert len(starts(tmp_path)) == 2
+        again = th("up", str(local_spec))  # the third start lives: fail-times 2
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "restarted rollout-node2" in again.stdout and "forgot" not in again.stdout
+        assert len(starts(tmp_path)) == 3
     finally:
         down = th("down", "-c", name)
         assert down.returncode == 0, down.stdout + down.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorhub_cli.agent.supervise import OUTCOME_TAG, Restarts, outcome_of, parse
+from tensorhub_cli.agent.supervise import OUTCOME_TAG, Restarts, exited_line, outcome_of, parse
 
 
 def test_on_failure_restarts_a_crash_with_doubling_backoff_and_leaves_a_clean_exit():
@@ -30,13 +30,19 @@ def test_never_leaves_it_dead_and_the_backoff_is_capped():
     assert delays[:3] == [10, 20, 40] and max(delays) == 60
 
 
-def test_outcome_is_read_from_the_last_record_of_a_log_tail():
-    tail = (f"[th-supervise] trainer-node1: runner exited with status 1\n"
-            f'{OUTCOME_TAG}{{"outcome": "gave_up", "exit": 1, "restarts": 5}}\n'
-            f"[th-supervise] trainer-node1: started runners.trainer (pid 7)\n"
-            f'{OUTCOME_TAG}{{"outcome": "finished", "exit": 0, "restarts": 1}}\n')
-    assert outcome_of(tail) == {"outcome": "finished", "exit": 0, "restarts": 1}
-    assert outcome_of("[th-supervise] x: started m (pid 3)\nTraceback ...") is None
+def test_outcome_is_this_supervisors_last_record_never_an_older_ones():
+    """One log serves every restart of a name: a record (or an exit line) of an earlier
+    supervisor must not speak for the one `th up` asks about."""
+    tail = (f"[th-supervise] trainer-node1[40]: runner exited with status 1\n"
+            f'{OUTCOME_TAG}{{"outcome": "gave_up", "exit": 1, "restarts": 5, "pid": 40}}\n'
+            f"[th-supervise] trainer-node1[41]: started runners.trainer (pid 7)\n"
+            f'{OUTCOME_TAG}{{"outcome": "finished", "exit": 0, "restarts": 1, "pid": 41}}\n'
+            f"[th-supervise] trainer-node1[42]: started runners.trainer (pid 9)\n")
+    assert outcome_of(tail, 41) == {"outcome": "finished", "exit": 0, "restarts": 1, "pid": 41}
+    assert outcome_of(tail, 40)["outcome"] == "gave_up"
+    assert outcome_of(tail, 42) is None  # killed -9: it wrote none, and 41's is not its own
+    assert exited_line("trainer-node1", 40) in tail and exited_line("trainer-node1", 42) not in tail
+    assert outcome_of("[th-supervise] x[3]: started m (pid 4)\nTraceback ...", 3) is None
 
 
 def test_runner_arguments_after_the_separator_are_never_ours():

@@ -112,7 +112,7 @@ def slow_heartbeat(r: Run, source: Driven, reader: Driven) -> dict:
     r.wait(lambda: r.beat_age(source.name) < 2 * HEARTBEAT_S, f"the hub to hear from {source.name} again")
     recovery = time.monotonic() - t_cont
     res = reader.recv(r.timeout + 30)
-    expired = r.counters().get("expiries", 0) - expiries
+    expired = int(r.counters().get("expiries", 0) - expiries)
     still = r.held("sh", 1, source.name) == r.nbytes
     after = r.unpublish(source, "sh", 1)
     landed = held < r.nbytes
