@@ -16,8 +16,7 @@ from . import protocol as p
 from .draining import settle, withdrawn_numbers
 from .faults import HubFault, Send
 from .publishing import model_name
-from .registry import READY
-from .resolving import require_ready
+from .resolving import latest, require_ready
 from .state import HubState, Withdrawal, withdraw_key
 
 MAX_WITHDRAW_S = 86400.0  # a Withdraw's timeout_s: beyond a day it is a mistake, not patience
@@ -26,17 +25,12 @@ MAX_WITHDRAW_S = 86400.0  # a Withdraw's timeout_s: beyond a day it is a mistake
 def sync(hub: HubState, now: float, op: p.Sync) -> p.Synced:
     if (op.role is None) == (op.node is None):
         raise HubFault("malformed", "sync needs exactly one of role or node")
-    gone = withdrawn_numbers(hub).get(op.model, set())
     if op.version is None:
-        ready = [v for v in hub.models.get(op.model, {}).values() if v.state == READY and v.number not in gone]
-        if not ready:
-            raise HubFault("not_found", f"model {op.model!r} has no READY version"
-                                        f"{' but those being withdrawn' if gone else ''}")
-        v = max(ready, key=lambda v: v.number)
+        v = latest(hub, op.model)  # (never one being withdrawn)
     else:
         v = hub.version(op.model, op.version)
         require_ready(v)
-        if v.number in gone:
+        if v.number in withdrawn_numbers(hub).get(op.model, ()):
             raise HubFault("conflict", f"{v.model}@{v.number} is being withdrawn (th unpublish)")
     targets = sorted(name for name, ep in hub.endpoints.items() if hub.alive(now, name) and (
         ep.info.role == op.role if op.role is not None else ep.info.node == op.node))

@@ -54,7 +54,8 @@ def latest(hub: HubState, model: str) -> Version:
     gone = withdrawn_numbers(hub).get(model, ())
     ready = [v for v in hub.models.get(model, {}).values() if v.state == READY and v.number not in gone]
     if not ready:
-        raise HubFault("not_found", f"model {model!r} has no READY version")
+        but = " but those being withdrawn" if gone else ""
+        raise HubFault("not_found", f"model {model!r} has no READY version{but}")
     return max(ready, key=lambda v: v.number)
 
 

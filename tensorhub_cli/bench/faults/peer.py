@@ -34,8 +34,7 @@ class FaultPeer(Peer):
         try:
             got = self.ep.fetch(model, version, into=dst, window=window, timeout=timeout)
         except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}", "t_done": time.monotonic(), "s": time.monotonic() - t0,
-                    "zombies": len(self.ep.zombies.pending())}
+            return {"error": f"{type(exc).__name__}: {exc}", "t_done": time.monotonic(), "s": time.monotonic() - t0}
         t1 = time.monotonic()
         lost = sum(int((dst[k].view(torch.uint8) != v.view(torch.uint8)).sum()) for k, v in want.items())
         return {"version": got, "s": t1 - t0, "t_done": t1, "lost_bytes": lost, "stats": self.ep.last_fetch}

@@ -67,13 +67,8 @@ class Run:
         who.ask("publish", model=model, version=version, mib=self.mib, chunk_mib=self.chunk_mib,
                 timeout=self.timeout)
 
-    def fetch(self, who: Driven, model: str, version: int, window: int | None = None,
-              timeout: float | None = None) -> dict:
-        """``timeout``: the fetch's own, when it must fail sooner than the run's."""
-        if timeout is None:
-            return self._call(who, "fetch", model=model, version=version, mib=self.mib, window=window or self.window)
-        who.send("fetch", model=model, version=version, mib=self.mib, window=window or self.window, timeout=timeout)
-        return who.recv(timeout + 30)
+    def fetch(self, who: Driven, model: str, version: int, window: int | None = None) -> dict:
+        return self._call(who, "fetch", model=model, version=version, mib=self.mib, window=window or self.window)
 
     def pid(self, name: str) -> int:
         """The pid of the process the hub lists under ``name`` (0 if none)."""
