@@ -3,7 +3,9 @@
 Protocol (per method, what the caller may do once it returns):
 
 - ``publish(model, version, state_dict, shard=(rank, world), timeout=10, ready=None)``:
-  first the work pending on the tensors is done (their device's current CUDA stream
+  values are tensors (whole), ``layout.Part``s (a box of a global tensor) or DTensors
+  (each rank registers its local shard in place, a replicated piece once; ``shard``
+  defaults to the rank's place in their mesh: ``layouts``). First the work pending on the tensors is done (their device's current CUDA stream
   synchronized, or the caller's ``ready`` events waited for: ``streams``); then the
   tensors are registered where they lie and the hub has the manifest. From here on the
   caller must not change those tensors until ``unpublish`` of that version has returned
@@ -16,8 +18,13 @@ Protocol (per method, what the caller may do once it returns):
   → the version number. A version not READY yet (not published, still STAGING, or no
   READY version at all for ``latest``) is waited for within ``timeout`` (then
   ``VersionTimeout``); ``wait=False`` raises ``VersionNotFound`` at once (``waiting``).
-  On return every chunk is verified and in ``into`` (visible on the caller's current
-  CUDA stream: ``streams``), and this endpoint is a complete holder of that version:
+  ``into`` maps names to tensors (whole), DTensors (their local box is filled) or
+  ``layout.Target``s (engine layouts: TP slices, fused parameters); a destination in
+  another layout than the publisher's reads only the chunks, or tiles of chunks, its
+  boxes overlap (``layout.overlap``, contract 9). On return every byte it needs is
+  verified and in ``into`` (visible on the caller's current
+  CUDA stream: ``streams``), and this endpoint is a holder of that version (of the
+  chunks it read whole: a reader of another layout serves those only):
   ``into`` is now published memory, under the same rule. Fetching a newer version
   into the same tensors first unpublishes (drains) the one they hold. A fetch of a
   version another thread of this endpoint is still fetching waits for that one (within
@@ -88,9 +95,9 @@ from ..engines.tcp import TcpEngine
 from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
-from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, place, verify
+from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, verify
 from ..layout.tensors import device_of
-from . import checks, streams, waiting
+from . import checks, layouts, streams, waiting
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .fetch import Fetch, FetchError
@@ -297,7 +304,7 @@ class Endpoint:
 
     # --- the API ---------------------------------------------------------------------
 
-    def publish(self, model: str, version: int, state_dict: dict, shard: tuple[int, int] = (0, 1),
+    def publish(self, model: str, version: int, state_dict: dict, shard: Optional[tuple[int, int]] = None,
                 *, chunk_bytes: Optional[int] = None, timeout: float = 10.0, ready=None) -> p.Manifest:
         """``ready``: None (the current CUDA stream of the tensors' device is
         synchronized first), or a ``torch.cuda.Event`` (or a list) recorded after the
@@ -309,18 +316,19 @@ class Endpoint:
         again (``registrations``)."""
         self._check_open()
         model, version = checks.model(model), checks.version(version)
-        state_dict, (rank, world) = checks.state_dict(state_dict), checks.shard(shard)
+        state_dict, shard = layouts.published(checks.state_dict(state_dict), shard)
+        rank, world = checks.shard(shard)
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else checks.count(chunk_bytes, "chunk_bytes")
         timeout = checks.seconds(timeout, "timeout")
         ready = streams.events(ready)
-        streams.settle({device_of(t) for t in state_dict.values() if hasattr(t, "is_cuda")}, ready)
+        streams.settle({device_of(t) for t in layouts.registered(state_dict) if hasattr(t, "is_cuda")}, ready)
         manifest, placed = lay_out(state_dict, chunk_bytes, self.small_bytes)
         self._check_tier(placed, "state_dict")
         busy = [h for h in self._held() if h.overlaps(placed.regions)]
         if busy:
             raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                                 "unpublish that version before publishing its memory again")
-        held = self._register(model, version, world, [manifest], rank, placed, list(state_dict.values()),
+        held = self._register(model, version, world, [manifest], rank, placed, layouts.registered(state_dict),
                               fill=True)
         try:
             if held.reg.staged:  # lay_out's copies into staging (or a reused buffer's) may still be queued
@@ -398,14 +406,13 @@ class Endpoint:
                                    deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
                                    timeout=timeout)
         held = self._replicas.get((model, resolved.version))
-        while held is not None and held.rank < 0 and len(held.held) < len(held.placed.views) \
-                and time.monotonic() < deadline:
+        while held is not None and not held.complete and time.monotonic() < deadline:
             # Another thread is fetching it (a retention pull beside a `th sync`, on their
             # own workers): its outcome is ours, a complete replica or none.
             time.sleep(0.05)
             held = self._replicas.get((model, resolved.version))
-        if held is not None and (held.rank >= 0 or len(held.held) == len(held.placed.views)) and (
-                callable(into) or {t.data_ptr() for t in into.values() if t.nbytes}
+        if held is not None and held.complete and (
+                callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
             self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
             streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
@@ -415,13 +422,14 @@ class Endpoint:
                                 "(or is still fetching it); unpublish it first")
         if callable(into):  # a destination made to measure (agents' host copies)
             into = into(resolved.shards)
-        placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+        # LayoutError here: nothing written, nothing held
+        placed = layouts.place(resolved.shards, into)
         self._check_tier(placed, "into")
         for old in [h for h in self._held() if h.overlaps(placed.regions)]:
             self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
         self.zombies.wait_for((model, resolved.version), deadline, self._call)
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
-                              list(into.values()))
+                              layouts.registered(into))
         self._add(held)
         job = Fetch(self, held, deadline, window,
                     read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
@@ -509,7 +517,7 @@ class Endpoint:
         held = self._replicas.get((model, version))
         if held is None:
             return
-        if held.rank < 0 and len(held.held) < len(held.placed.views):
+        if not held.complete:
             log.info("%s: release of %s@%s left to the fetch still filling it", self.name, model, version)
             return
         self._drop(held, deregister=True)  # (agents free that memory next: no registration outlives it)

@@ -67,6 +67,7 @@ class Fetch:
         self.verifying: dict[int, Verifying] = {}
         self.stopping: dict[int, Stopping] = {}
         self.done: list[int] = []
+        self.partial: list[int] = []  # verified, read in part (another layout): reported, not held
         self.failed: list[p.Read] = []
         self.first_result = 0.0
         self.peers: dict[str, Holder] = {}  # by the hub's name for the holder
@@ -90,17 +91,17 @@ class Fetch:
             self.client.close()
 
     def _loop(self) -> None:
-        total = len(self.held.placed.views)
+        total = self.held.wanted
         self.asked: Asked | None = None
         plan_due, idle = True, 0.0002
         while True:
             now = time.monotonic()
             if now > self.deadline:
-                raise FetchError(f"timed out with {len(self.held.held)}/{total} chunks verified")
+                raise FetchError(f"timed out with {len(self.held.held) + len(self.held.passed)}/{total} chunks verified")
             if self.ep.service.fenced:  # a replaced process must not complete reads the hub gave away
                 raise FetchError(self.ep.service.fenced)
             busy = len(self.inflight) + len(self.verifying) + len(self.stopping)
-            results = len(self.done) + len(self.failed)
+            results = len(self.done) + len(self.failed) + len(self.partial)
             # Report (with the next plan) once half the window has results, so reads
             # keep flowing, and never sit on a result longer than report_s.
             if results and (2 * results >= self.window or now - self.first_result >= self.report_s or not busy):
@@ -138,9 +139,10 @@ class Fetch:
     def _ask(self) -> None:
         h = self.held
         op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
-                    chunks=self.done, failed=self.failed, incarnation=self.ep.incarnation)
-        only_failures = self.failed and not self.done
-        self.done, self.failed = [], []
+                    chunks=self.done, failed=self.failed, incarnation=self.ep.incarnation, want=h.want(),
+                    partial=self.partial, layout=h.placed.layout)
+        only_failures = self.failed and not self.done and not self.partial
+        self.done, self.failed, self.partial = [], [], []
         # Reads that only fail (a dying source the hub has not expired yet, the last
         # holder of a chunk turning out corrupt) are retried with backoff, not in a hot
         # loop against the hub and the source.
@@ -183,7 +185,7 @@ class Fetch:
         unreported = {r.chunk for r in self.failed}
         for read in planned.reads:
             if read.chunk in self.inflight or read.chunk in self.verifying or read.chunk in h.held \
-                    or read.chunk in unreported or read.chunk in self.stopping:
+                    or read.chunk in h.passed or read.chunk in unreported or read.chunk in self.stopping:
                 continue
             self._start(read, sources.get(read.source))
 
@@ -197,11 +199,17 @@ class Fetch:
             i = read.chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0)
             if not 0 <= i < len(desc.addrs):
                 raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
-            view = h.placed.views[read.chunk]
+            tiled = h.placed.parts.get(read.chunk)
+            if read.partial and tiled is None:
+                raise EngineError(f"{read.source} holds only tiles of chunk {read.chunk}, and we need it whole")
+            if tiled is None or read.partial:  # (partial: a holder of our layout has our tiles, laid out as ours)
+                view = h.placed.views[read.chunk]
+                pairs = [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)]
+            else:  # another layout: only the tiles our boxes need, one descriptor per row of strips
+                pairs = [Pair(desc.addrs[i] + at, v.data_ptr(), v.nbytes) for at, v in tiled.pairs]
             # both devices named: NIXL matches descriptors by device id, and a
             # description that disagrees with the holder's answer is refused, not misread
-            xfer = holder.engine.read(holder.peer, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)],
-                                      h.placed.device, remote_device=desc.device)
+            xfer = holder.engine.read(holder.peer, pairs, h.placed.device, remote_device=desc.device)
         except (EngineError, wire.PeerError) as exc:
             self._warn(read.source, f"read of chunk {read.chunk} from {read.source} failed to start: {exc}")
             self.peers.pop(read.source, None)
@@ -242,7 +250,8 @@ class Fetch:
                 self.peers.pop(source, None)
                 self._fail(chunk, source)
             else:  # hashed on a verifier thread, while this one keeps moving bytes
-                self.verifying[chunk] = Verifying(source, self.ep.verifiers.submit(self.held.placed.checksum, chunk))
+                self.verifying[chunk] = Verifying(source, self.ep.verifiers.submit(
+                    self.held.placed.check, chunk, self.held.expected(chunk)))
         for chunk, stopping in list(self.stopping.items()):
             if stopping.engine.release(stopping.xfer):
                 progressed = True
@@ -253,23 +262,27 @@ class Fetch:
             progressed = True
             del self.verifying[chunk]
             source = verifying.source
-            if verifying.digest.result() != self.held.expected(chunk).checksum:
+            if not verifying.digest.result():
                 self._warn(source, f"chunk {chunk} from {source} failed its checksum; re-planning it")
                 self.stats["corrupt"] += 1
                 self._fail(chunk, source)
                 continue
-            self.held.placed.finish(chunk)
-            if chunk in self.held.placed.scatter:  # async copies: the caller's stream waits for them (streams)
-                self.held.written = streams.scattered(self.held.placed.device)
+            placed = self.held.placed
+            copies = chunk in placed.scatter or chunk in placed.parts or chunk in placed.waiting
+            placed.finish(chunk)
+            if copies:
+                # async copies: the caller's stream waits for them (streams)
+                self.held.written = streams.scattered(placed.device)
+            partial = chunk in placed.parts
             with self.held.lock:
-                self.held.held.add(chunk)
-            nbytes = self.held.placed.views[chunk].nbytes
+                (self.held.passed if partial else self.held.held).add(chunk)
+            nbytes = placed.read_bytes(chunk)
             self.stats["bytes"] += nbytes
             self.stats["reads"] += 1
             if self.publisher_read.pop(chunk, False):
                 self.stats["from_publishers"] += nbytes
             self._result()
-            self.done.append(chunk)
+            (self.partial if partial else self.done).append(chunk)
         return progressed
 
     def _warn(self, source: str, message: str) -> None:
@@ -309,7 +322,7 @@ class Fetch:
         self.failed.append(p.Read(chunk=chunk, source=source))
 
     def _result(self) -> None:
-        if not self.done and not self.failed:
+        if not self.done and not self.failed and not self.partial:
             self.first_result = time.monotonic()
 
     def stop(self, timeout: float = 5.0) -> list[Zombie]:
@@ -339,10 +352,11 @@ class Fetch:
         """After ``stop``: the reads that ended, as a report that unpins exactly them."""
         h = self.held
         failed = self.failed + [p.Read(chunk=c, source=v.source) for c, v in self.verifying.items()]
-        done = list(self.done)
+        done, partial = list(self.done), list(self.partial)
         asked = getattr(self, "asked", None)
         if asked is not None:  # its reply may never come: report what it carried again (idempotent)
             failed += asked.op.failed
             done += asked.op.chunks
+            partial += asked.op.partial
         return p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed,
-                          incarnation=self.ep.incarnation)
+                          incarnation=self.ep.incarnation, partial=partial, layout=h.placed.layout)

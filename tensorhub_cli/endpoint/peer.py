@@ -1,6 +1,6 @@
 """The holder side of the peer channel (see ``engines.wire``): an asyncio TCP server on
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
-replicas and ``ReadBytes`` from the memory it serves (``engines.serve``, whatever the
+replicas and ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memory it serves (``engines.serve``, whatever the
 endpoint's engine). Every connection is closed after a refused ask; an idle connection
 is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp engines drop their
 pooled connections well before, ``engines.tcp.IDLE_S``), and one whose reader stops receiving
@@ -56,7 +56,7 @@ class PeerServer:
                     await self._refuse(writer, "auth", "bad token or peer wire version")
                     return
                 self.last_ask = time.monotonic()
-                if isinstance(ask.op, wire.ReadBytes):
+                if isinstance(ask.op, (wire.ReadBytes, wire.ReadRanges)):
                     await serve_read(writer, self._regions, ask.op, send_timeout=self._send_timeout_s)
                 else:
                     writer.write(wire.frame(wire.Answer(body=self._describe(ask.op))))

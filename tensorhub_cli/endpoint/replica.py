@@ -26,6 +26,9 @@ class Held:
     placed: Placed
     handle: object  # the engine's registration (of ``reg``)
     held: set[int] = field(default_factory=set)  # global chunk ids verified (readers)
+    # Chunks read in part and verified (a reader of another layout): in our memory,
+    # not held, never served.
+    passed: set[int] = field(default_factory=set)
     reading: dict[int, str] = field(default_factory=dict)  # chunk -> source, in flight
     description: bytes | None = None
     reg: object = None  # registrations.Registration
@@ -46,7 +49,28 @@ class Held:
         if self.description is None:
             self.description = engine.describe(self.handle)
         return wire.Described(engine=engine.kind, description=self.description, rank=self.rank,
-                              addrs=[v.data_ptr() for v in self.placed.views], device=self.placed.device)
+                              addrs=[0 if v is None else v.data_ptr() for v in self.placed.views],
+                              device=self.placed.device)
+
+    @property
+    def wanted(self) -> int:
+        """How many chunks this replica needs: all, or those its layout's boxes touch."""
+        return len(self.placed.views) if self.placed.wanted is None else len(self.placed.wanted)
+
+    @property
+    def complete(self) -> bool:
+        """A publisher's shard, or a reader that has every chunk it needs (held or passed)."""
+        return self.rank >= 0 or len(self.held) + len(self.passed) >= self.wanted
+
+    def want(self) -> bytes:
+        """``Plan.want`` for the chunks still needed and not passed (b"": every chunk;
+        a zero mask once only held ones are left, so the hub answers ``complete``)."""
+        if self.placed.wanted is None:
+            return b""
+        mask = 0
+        for c in self.placed.wanted - self.passed:
+            mask |= 1 << c
+        return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
 
     def starts(self) -> list[int]:
         """Global id of each shard's first chunk (a reader's view: rank 0's first)."""

@@ -1,12 +1,16 @@
-"""Holder side of ``ReadBytes``: serving asked ranges of registered host or device memory.
+"""Holder side of ``ReadBytes`` and ``ReadRanges``: serving asked ranges of registered
+host or device memory.
 
 Protocol. The endpoint keeps one ``Regions`` for every engine: a replica's regions
 are ``add``ed before the hub learns of them and ``remove``d before they are
 deregistered, so an ask is checked against memory that is still ours. ``serve_read``
-(called by the endpoint's asyncio peer server for each ``ReadBytes``) answers
-``Refused`` when the range is not wholly inside one region we serve, else ``Bytes``
-and exactly ``nbytes`` raw bytes, streamed in 1 MiB slices so that at most one slice
-is buffered per connection. A range in device memory is sent through a pinned host
+(called by the endpoint's asyncio peer server for each ``ReadBytes``; a ``ReadRanges``
+is one) checks every asked range first: one not wholly inside one region we serve, an
+empty one, or more than ``wire.MAX_RANGES`` of them, is answered ``Refused`` naming it,
+with nothing else sent. Else it answers one ``Bytes`` of the total and the raw bytes of
+every range in the order asked, streamed in 1 MiB slices (small ranges are drained
+together, up to a slice's worth) so that at most about one slice is buffered per
+connection. A range in device memory is sent through a pinned host
 staging buffer (``Regions(device_copy=)``, default torch's): each slice is copied
 device → staging (synchronous, on the loop's thread: one 1 MiB PCIe copy, not timed
 on a GPU yet) and sent as bytes of its own, since the transport may still hold what it
@@ -82,37 +86,76 @@ async def _drain(writer: asyncio.StreamWriter, timeout: float) -> None:
         raise ConnectionAbortedError(f"reader took more than {timeout:.0f}s to receive a slice; closed") from None
 
 
+async def _answer(writer: asyncio.StreamWriter, body: object, send_timeout: float) -> None:
+    writer.write(wire.frame(wire.Answer(body=body)))
+    await _drain(writer, send_timeout)
+
+
+def _check(regions: Regions, ask: wire.ReadBytes) -> tuple[list[tuple[int, int, int]], list[object]] | wire.Refused:
+    """The asked ranges as (addr, nbytes, device) and the owners to hold while they are
+    sent, or why the ask is refused (the first bad range, by index for a ``ReadRanges``)."""
+    if not isinstance(ask, wire.ReadRanges):
+        asked, name = [(ask.addr, ask.nbytes)], (lambda i: "")
+    elif len(ask.addrs) != len(ask.sizes):
+        return wire.Refused(code="malformed", message=f"{len(ask.addrs)} addrs but {len(ask.sizes)} sizes")
+    elif not 0 < len(ask.addrs) <= wire.MAX_RANGES:
+        return wire.Refused(code="too_large" if ask.addrs else "malformed",
+                            message=f"{len(ask.addrs)} ranges asked; 1 to {wire.MAX_RANGES} may be")
+    else:
+        asked, name = list(zip(ask.addrs, ask.sizes)), (lambda i: f"range {i}: ")
+    ranges, owners, seen = [], [], set()
+    for i, (addr, nbytes) in enumerate(asked):
+        found = regions.find(addr, nbytes) if nbytes > 0 else None
+        if found is None:
+            return wire.Refused(code="not_registered",
+                                message=f"{name(i)}{nbytes} bytes at {addr:#x} are not memory this endpoint serves")
+        owner, device = found
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            owners.append(owner)
+        ranges.append((addr, nbytes, device))
+    return ranges, owners
+
+
 async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.ReadBytes, *,
                      send_timeout: float = SEND_TIMEOUT_S) -> None:
     """Raises ``ConnectionError`` (the connection closed) when a slice does not drain
     within ``send_timeout`` seconds."""
-    found = regions.find(ask.addr, ask.nbytes) if ask.nbytes > 0 else None
-    if found is None:
-        writer.write(wire.frame(wire.Answer(body=wire.Refused(
-            code="not_registered", message=f"{ask.nbytes} bytes at {ask.addr:#x} are not memory this endpoint serves"))))
-        await _drain(writer, send_timeout)
+    checked = _check(regions, ask)
+    if isinstance(checked, wire.Refused):
+        await _answer(writer, checked, send_timeout)
         return
-    owner, device = found
+    ranges, owners = checked
+    on_device = [n for _, n, device in ranges if device >= 0]
     try:
-        staged = regions.device_copy.staging(min(SLICE, ask.nbytes)) if device >= 0 else None
+        staged = regions.device_copy.staging(min(SLICE, max(on_device))) if on_device else None
     except Exception as exc:  # (no CUDA here after all, out of pinned memory): say so, keep the connection
-        writer.write(wire.frame(wire.Answer(body=wire.Refused(
-            code="unservable", message=f"cannot stage cuda:{device} memory for sending: {exc}"))))
-        await _drain(writer, send_timeout)
+        device = next(d for _, _, d in ranges if d >= 0)
+        await _answer(writer, wire.Refused(code="unservable",
+                                           message=f"cannot stage cuda:{device} memory for sending: {exc}"),
+                      send_timeout)
         return
-    writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=ask.nbytes))))
+    writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=sum(n for _, n, _ in ranges)))))
     rate = float(os.environ.get("TH_TEST_SERVE_BPS") or 0)
-    view = host_view(ask.addr, ask.nbytes) if staged is None else None
+    unsent = 0  # written since the last drain
     try:
-        for start in range(0, ask.nbytes, SLICE):
-            n = min(SLICE, ask.nbytes - start)
-            if staged is None:
-                writer.write(view[start:start + n])
-            else:
-                regions.device_copy.from_device(ask.addr + start, device, staged[0], n)
-                writer.write(bytes(host_view(staged[0], n)))
+        for addr, nbytes, device in ranges:
+            for start in range(0, nbytes, SLICE):
+                n = min(SLICE, nbytes - start)
+                if device < 0:
+                    writer.write(host_view(addr + start, n))
+                else:  # (a copy: the transport may still hold it when the staging buffer is reused)
+                    regions.device_copy.from_device(addr + start, device, staged[0], n)
+                    writer.write(bytes(host_view(staged[0], n)))
+                unsent += n
+                if unsent >= SLICE:
+                    await _drain(writer, send_timeout)
+                    if rate:
+                        await asyncio.sleep(unsent / rate)
+                    unsent = 0
+        if unsent:
             await _drain(writer, send_timeout)
             if rate:
-                await asyncio.sleep(n / rate)
+                await asyncio.sleep(unsent / rate)
     finally:
-        del owner, staged  # (held to here on purpose: the raw views keep nothing alive)
+        del owners, staged  # (held to here on purpose: the raw views keep nothing alive)

@@ -1,8 +1,12 @@
 """tcp engine: chunk reads over plain TCP, for hosts where NIXL will not load.
 
 Reader side: ``read`` runs on a small thread pool; each read takes a pooled blocking
-connection to the holder, sends a ``ReadBytes`` ask per pair and receives the bytes
-with ``recv_into`` straight into the destination memory (no intermediate buffer).
+connection to the holder and sends its pairs in batches of up to ``wire.MAX_RANGES``
+(consecutive pairs; a read of thousands of small ranges, one per row of a column
+slice, costs one round trip, not thousands): one ``ReadRanges`` ask per batch, or a
+``ReadBytes`` for a batch of one pair (a whole chunk: what every holder understands).
+It receives each pair's bytes with ``recv_into`` straight into the destination memory
+(no intermediate buffer), in the order asked.
 Every socket has a timeout (``timeout``, default 10 s: one connect, send or receive),
 so a silent holder fails the read instead of hanging it.
 
@@ -29,7 +33,7 @@ its receive of bytes already buffered returns.
 
 Device memory. A read into CUDA memory (``device`` >= 0) receives each pair into a
 pinned host staging buffer, then copies it to the device (``DeviceCopy``, synchronous)
-before the next; the read is done only once every copy returned, and a read stopped
+before receiving the next; the read is done only once every copy returned, and a read stopped
 mid-way wrote into the staging buffer, never into the target. The staging buffer is
 one per read, as big as its largest pair (a chunk), and lives as long as the read.
 
@@ -179,8 +183,12 @@ class TcpEngine(Engine):
         try:
             if stopped:
                 raise EngineError("read stopped before it started")
-            for i, pair in enumerate(pairs):
-                ask = wire.ReadBytes(addr=pair.remote, nbytes=pair.nbytes)
+            for i in range(0, len(pairs), wire.MAX_RANGES):
+                batch = pairs[i:i + wire.MAX_RANGES]
+                if len(batch) == 1:
+                    ask = wire.ReadBytes(addr=batch[0].remote, nbytes=batch[0].nbytes)
+                else:
+                    ask = wire.ReadRanges(addrs=[p.remote for p in batch], sizes=[p.nbytes for p in batch])
                 try:
                     sock.sendall(wire.frame(wire.Ask(v=wire.WIRE_VERSION, token=self._token, op=ask)))
                     closed = i == 0 and reused and sock.recv(1, socket.MSG_PEEK) == b""
@@ -195,13 +203,14 @@ class TcpEngine(Engine):
                         raise _Stale()
                     raise EngineError("read stopped")
                 body = wire.recv_answer(sock).body
-                if not isinstance(body, wire.Bytes) or body.nbytes != pair.nbytes:
+                if not isinstance(body, wire.Bytes) or body.nbytes != sum(p.nbytes for p in batch):
                     raise wire.PeerError(f"holder at {address} refused the read: {body}")
-                if staged is None:
-                    wire.recv_exact(sock, host_view(pair.local, pair.nbytes))
-                else:
-                    wire.recv_exact(sock, host_view(staged[0], pair.nbytes))
-                    self._copy.to_device(staged[0], pair.local, pair.nbytes, device)
+                for pair in batch:
+                    if staged is None:
+                        wire.recv_exact(sock, host_view(pair.local, pair.nbytes))
+                    else:
+                        wire.recv_exact(sock, host_view(staged[0], pair.nbytes))
+                        self._copy.to_device(staged[0], pair.local, pair.nbytes, device)
         except BaseException:
             with xfer.lock:
                 xfer.sock = None

@@ -13,6 +13,14 @@ a bad token is answered ``Refused`` and the connection closed. Two asks exist:
 - ``ReadBytes(addr, nbytes)``: the tcp engine's read. The holder answers ``Bytes`` and
   then exactly ``nbytes`` raw bytes from its registered memory, or ``Refused`` when the
   range is not inside memory it registered: a peer can read what we serve, nothing else.
+- ``ReadRanges(addrs, sizes)``: many ranges in one ask (a reader of a column slice reads
+  one range per row: one round trip, not thousands). The holder answers ONE
+  ``Bytes(nbytes=sum(sizes))`` and then the bytes of every range, in the order asked, or
+  ``Refused`` naming the first range not inside memory it registered, having sent
+  nothing of any. At most ``MAX_RANGES`` ranges, each of at least one byte, in an ask.
+  Added under the same ``WIRE_VERSION``: ``Describe`` and ``ReadBytes`` are unchanged, and
+  a holder that predates it answers the unknown tag ``Refused`` (malformed), never wrong
+  bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import msgspec
 WIRE_VERSION = 1
 MAX_ASK = 1 << 20
 MAX_ANSWER = 64 << 20  # a Described of ~8M chunks; bigger is a bug
+# At most 18 bytes a range in msgpack (two uint64), so a full ask stays well inside MAX_ASK.
+MAX_RANGES = 1 << 15
 _LEN = struct.Struct(">I")
 
 
@@ -39,10 +49,24 @@ class ReadBytes(msgspec.Struct, tag="read"):
     nbytes: int
 
 
+class ReadRanges(ReadBytes, tag="ranges", kw_only=True):
+    """A ``ReadBytes`` of many ranges. It subclasses ``ReadBytes`` so that whatever routes
+    reads to ``engines.serve`` (the peer server's ``isinstance(op, ReadBytes)``) routes
+    these too; the inherited ``addr``/``nbytes`` stay 0, so code that took one for a
+    plain ``ReadBytes`` would ask for nothing and be refused, never serve wrong bytes."""
+    addrs: list[int]
+    sizes: list[int]
+    addr: int = 0
+    nbytes: int = 0
+
+
+assert MAX_RANGES * 18 + 4096 < MAX_ASK  # (a token of up to 4 KiB beside the ranges)
+
+
 class Ask(msgspec.Struct):
     v: int
     token: str
-    op: Union[Describe, ReadBytes]
+    op: Union[Describe, ReadRanges, ReadBytes]
 
 
 class Described(msgspec.Struct, tag="described"):

@@ -39,6 +39,11 @@ class TensorMeta(Msg):
     shape: list[int]
     nbytes: int
     offset: int  # byte offset in the shard's flat layout; chunks are slices of that layout
+    # Layouts (contract 9): this piece is the box of a global tensor of ``global_shape``
+    # that starts at ``box_offsets`` (its sizes are ``shape``). Both empty: the whole
+    # tensor (omitted on the wire, so whole-tensor manifests encode as before).
+    global_shape: list[int] = []
+    box_offsets: list[int] = []
 
 
 class ChunkMeta(Msg):
@@ -49,6 +54,14 @@ class ChunkMeta(Msg):
     # its own device, CPU included). The default is omitted on the wire, so host-published
     # manifests encode as before and manifests from before this field decode as xxh3.
     digest: Literal["xxh3", "dev64"] = "xxh3"
+    # Tiles: a chunk inside one tensor covers whole rows of it (the last dimension is a
+    # row); it is also hashed as tiles of ``tile_rows`` rows by ``strips`` equal column
+    # strips, row block by row block (``tiles[b * strips + k]``), so a reader of another
+    # layout verifies the tiles it reads, never the whole chunk (layout/chunking.py).
+    # Empty: the chunk is verified whole.
+    tile_rows: int = 0
+    strips: int = 0
+    tiles: list[int] = []
 
 
 class Manifest(Msg):
@@ -83,6 +96,9 @@ class EndpointInfo(Msg):
 class Read(Msg):
     chunk: int
     source: str
+    # The source holds only the tiles of this chunk a reader of its own layout needs
+    # (``Plan.layout``): read its staged tiles as they lie, not the chunk.
+    partial: bool = False
 
 
 class Holding(Msg):
@@ -147,6 +163,12 @@ class Plan(Msg, tag="plan"):
     # member's stripe, endpoint/collective.py); ``complete`` once they are held.
     # Empty: every chunk.
     want: bytes = b""
+    # Chunks read and verified only in part (a reader of another layout needs a box of
+    # them): unpinned at their source, and served only to readers of our ``layout``
+    # (a hash of our boxes, layout.boxes.layout_id; "": the publisher's layout, whole
+    # chunks), which need exactly those tiles.
+    partial: list[int] = []
+    layout: str = ""
 
 
 class Progress(Msg, tag="progress"):
@@ -156,6 +178,8 @@ class Progress(Msg, tag="progress"):
     chunks: list[int]  # verified (checksum matched): the reader now holds them
     failed: list[Read] = []  # reads that failed or arrived corrupt: unpinned, source avoided
     incarnation: str = ""
+    partial: list[int] = []  # read in part only (``Plan.partial``): unpinned, not held
+    layout: str = ""
 
 
 class Cancel(Msg, tag="cancel"):

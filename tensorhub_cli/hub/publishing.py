@@ -13,6 +13,7 @@ A ``Publish`` whose model name does not match ``names.MODEL_PATTERN`` is refused
 
 from __future__ import annotations
 
+from ..layout.boxes import Box, cover_problems
 from ..names import check_model
 from ..planner import join
 from . import protocol as p
@@ -61,6 +62,7 @@ def add_shard(hub: HubState, name: str, model: str, number: int, rank: int, worl
     rep = v.replicas.get(name)
     if rep is not None and rep.rank != rank:
         raise HubFault("conflict", f"{name} already holds {model}@{number} as {'reader' if rep.rank < 0 else f'shard {rep.rank}'}")
+    check_cover(model, number, world, {**v.shards, rank: manifest})
     v.shards[rank], v.shard_digests[rank] = manifest, digest
     if rep is None:
         rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
@@ -139,6 +141,34 @@ def note_seed(hub: HubState, v: Version, reader: str, source: str) -> None:
         v.seeds.setdefault(dc, reader)
 
 
+def check_cover(model: str, number: int, world: int, shards: dict[int, p.Manifest]) -> None:
+    """Contract 1 and 9: once every rank's shard is in, the pieces of each tensor agree
+    on its global shape and dtype and cover it exactly once (a replicated piece is
+    published by one rank only). A shard that breaks it is refused whole: the version
+    stays as it was, without it."""
+    if len(shards) < world:
+        return
+    pieces: dict[str, list[tuple[int, p.TensorMeta]]] = {}
+    for rank, m in shards.items():
+        for t in m.tensors:
+            pieces.setdefault(t.name, []).append((rank, t))
+    problems = []
+    for name, held in pieces.items():
+        if len(held) == 1 and not held[0][1].global_shape:
+            continue  # a whole tensor, in one shard: the common case, nothing to check
+        shapes = {tuple(t.global_shape or t.shape) for _, t in held}
+        dtypes = {t.dtype for _, t in held}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            problems.append(f"{name}: shards disagree on its global shape or dtype "
+                            f"({', '.join(f'rank {r}: {t.global_shape or t.shape} {t.dtype}' for r, t in held)})")
+            continue
+        boxes = [Box(tuple(t.box_offsets or [0] * len(t.shape)), tuple(t.shape)) for _, t in held]
+        problems += cover_problems(name, shapes.pop(), boxes)
+    if problems:
+        raise HubFault("bad_request", f"{model}@{number}: the shards' boxes do not cover each tensor exactly once: "
+                                      + "; ".join(problems[:8]) + (" …" if len(problems) > 8 else ""))
+
+
 def check_manifest(m: p.Manifest, number: int, rank: int, world: int) -> None:
     if number < 1:
         raise HubFault("malformed", f"version must be >= 1, got {number}")
@@ -152,3 +182,8 @@ def check_manifest(m: p.Manifest, number: int, rank: int, world: int) -> None:
     for t in m.tensors:
         if t.offset < 0 or t.nbytes < 0 or t.offset + t.nbytes > total:
             raise HubFault("malformed", f"tensor {t.name!r} lies outside the {total} bytes its chunks cover")
+        if any(n < 0 for n in (*t.shape, *t.global_shape, *t.box_offsets)):
+            raise HubFault("malformed", f"tensor {t.name!r}: a negative size or offset in its shape or box")
+        if (t.global_shape or t.box_offsets) and not len(t.global_shape) == len(t.box_offsets) == len(t.shape):
+            raise HubFault("malformed", f"tensor {t.name!r}: global_shape, box_offsets and shape must have "
+                                        "one entry per dimension")

@@ -12,6 +12,7 @@ stopped heartbeating are dropped at the reader's next plan (contract 6).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Mapping
 
 from ..planner import LEVELS, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
@@ -30,9 +31,9 @@ _FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "byte
 
 def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     reader = hub.endpoint(op.name, op.incarnation)
-    if op.chunks or op.failed:
+    if op.chunks or op.failed or op.partial:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
-                                      failed=op.failed))
+                                      failed=op.failed, partial=op.partial, layout=op.layout))
     v = hub.version(op.model, op.version)
     require_ready(v, now < hub.grace_until)
     if op.name in v.draining:
@@ -57,9 +58,10 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     limit = window - len(reads)
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
     if limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)
+        replicas = _SameLayout(v.replicas, op.layout) if op.layout else v.replicas
         walk = Walk(
             Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls),
-            Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
+            Sources(replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
                     v.serving, v.spread),
             Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
             hub.asking,
@@ -76,10 +78,36 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     # pinned but unlisted: the reader finishes or fails them on its own.
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s) for c, s in sorted(reads.items())],
+        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c)) for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,
     )
+
+
+class _SameLayout(Mapping):
+    """The version's replicas as a reader of ``layout`` sees them: a replica of that
+    layout also holds the chunks it has the tiles of (the tiles this reader needs).
+    Built per plan, computed per replica the walk looks at."""
+
+    def __init__(self, replicas: dict[str, Replica], layout: str):
+        self._replicas, self._layout = replicas, layout
+
+    def __getitem__(self, name: str) -> Replica:
+        rep = self._replicas[name]
+        if rep.partial and rep.layout == self._layout:
+            return Replica(endpoint=name, held=rep.held | rep.partial, rank=rep.rank)
+        return rep
+
+    def __iter__(self):
+        return iter(self._replicas)
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+
+def _partial(v: Version, source: str, chunk: int) -> bool:
+    rep = v.replicas.get(source)
+    return rep is not None and not rep.held >> chunk & 1 and bool(rep.partial >> chunk & 1)
 
 
 def _may_cross(v: Version, reader: Endpoint) -> bool:
@@ -137,7 +165,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     v = hub.version(op.model, op.version)
     if not v.assembled:
         raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
-    bad = [c for c in op.chunks if not 0 <= c < v.nchunks]
+    bad = [c for c in (*op.chunks, *op.partial) if not 0 <= c < v.nchunks]
     if bad:
         raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
     if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
@@ -149,6 +177,14 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
             v.respread(rep.held, hub.endpoints[op.name].place.dc)
         if rep.held == v.full:
             hub.asking.done(op.name)
+        index(hub, v, op.name)
+    if op.partial:  # read in part (another layout): its tiles serve readers of that layout only
+        rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+        rep.layout = op.layout
+        for c in op.partial:
+            rep.partial |= 1 << c
+            if c in v.reads.get(op.name, {}):
+                hub.unpin(v, op.name, c)
         index(hub, v, op.name)
     for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
         if v.reads.get(op.name, {}).get(r.chunk) == r.source:

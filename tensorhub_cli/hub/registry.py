@@ -39,6 +39,10 @@ class Replica:
     endpoint: str
     held: int = 0
     rank: int = -1  # >= 0: published shard (a publisher); -1: filled by reading
+    # A reader of another layout: the chunks it holds only the tiles of, which it
+    # serves to readers of the same ``layout`` (they need exactly those tiles).
+    partial: int = 0
+    layout: str = ""
 
 
 @dataclass

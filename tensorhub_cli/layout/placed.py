@@ -1,12 +1,16 @@
 """Where a layout's chunks lie in our memory: the record ``lay_out`` and ``place`` return.
 
 Protocol. ``Placed.views[c]`` is chunk ``c``'s bytes in our memory (a flat uint8
-tensor), ``digests[c]`` the kind of digest its manifest names (``checksum(c)``
-computes that one, on the view's own device for ``dev64``); ``regions`` is what an
-engine must register to serve or receive them. A chunk that spans tensors of a
-reader's destination lands in a staging buffer: once it is verified, ``finish(c)``
-copies it into those tensors (before that they are untouched).
-The memory stays valid while the ``Placed`` (which keeps every tensor alive) does.
+tensor; None for a chunk a reader of another layout does not need), ``digests[c]``
+the kind of digest its manifest names (``checksum(c)`` computes that one, on the
+view's own device for ``dev64``); ``regions`` is what an engine must register to serve
+or receive them. ``wanted``: the chunks a reader needs (None: every chunk). A chunk
+read in part (``parts[c]``, a reader of another layout: ``overlap``) is read as the
+pairs its tiles list and verified tile by tile (``check``). A chunk that spans tensors
+of a reader's destination, or lands in a layout other than its own, arrives in a
+staging buffer: once it is verified, ``finish(c)`` copies it into those tensors
+(before that they are untouched). The memory stays valid while the ``Placed`` (which
+keeps every tensor alive) does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class Placed:
     scatter: dict[int, list[Piece]] = field(default_factory=dict)
     keep: list = field(default_factory=list)  # tensors the regions point into
     digests: list[str] = field(default_factory=list)  # per chunk: its manifest's ChunkMeta.digest
+    wanted: set[int] | None = None  # the chunks a reader needs; None: all
+    parts: dict = field(default_factory=dict)  # chunk -> overlap.Tiled: read in part
+    waiting: dict[int, list] = field(default_factory=dict)  # chunk -> staged groups it completes
+    layout: str = ""  # a reader of another layout: its id (boxes.layout_id of its slots)
 
     def addr(self, chunk: int) -> int:
         return self.views[chunk].data_ptr()
@@ -42,7 +50,25 @@ class Placed:
     def checksum(self, chunk: int) -> int:
         return digest(self.views[chunk], self.digests[chunk])
 
+    def check(self, chunk: int, expected) -> bool:
+        """The chunk's bytes (or the tiles of it we read) match ``expected`` (ChunkMeta)."""
+        tiled = self.parts.get(chunk)
+        if tiled is None:
+            return self.checksum(chunk) == expected.checksum
+        kind = self.digests[chunk]
+        return all(digest(v.contiguous().reshape(-1), kind) == want for v, want in tiled.checks)
+
+    def read_bytes(self, chunk: int) -> int:
+        tiled = self.parts.get(chunk)
+        return self.views[chunk].nbytes if tiled is None else tiled.nbytes
+
     def finish(self, chunk: int) -> None:
         """A verified staged chunk: copy its bytes into the destination tensors."""
         for piece in self.scatter.get(chunk, ()):
             piece.dst[piece.offset:piece.offset + piece.nbytes].copy_(piece.src[:piece.nbytes])
+        tiled = self.parts.get(chunk)
+        if tiled is not None:
+            for src, dst in tiled.copies:
+                dst.copy_(src)
+        for group in self.waiting.pop(chunk, ()):
+            group.arrived(chunk)

@@ -10,7 +10,9 @@ EXPIRY = 5.0
 
 
 def manifest(nchunks: int, chunk_bytes: int = 1024, salt: int = 0) -> p.Manifest:
-    tensors = [p.TensorMeta(name=f"w{i}", dtype="float32", shape=[chunk_bytes // 4], nbytes=chunk_bytes,
+    # Shards of one version hold different tensors (the hub checks each is covered once):
+    # a salt names another shard's.
+    tensors = [p.TensorMeta(name=f"w{i}" if not salt else f"s{salt}.w{i}", dtype="float32", shape=[chunk_bytes // 4], nbytes=chunk_bytes,
                             offset=i * chunk_bytes) for i in range(nchunks)]
     chunks = [p.ChunkMeta(nbytes=chunk_bytes, checksum=salt * 1000 + i) for i in range(nchunks)]
     return p.Manifest(tensors=tensors, chunks=chunks, chunk_bytes=chunk_bytes)

@@ -1,0 +1,56 @@
+"""Which layout path a publish or fetch takes (contract 9), for the endpoint.
+
+Protocol. ``published(state_dict, shard)`` turns DTensors into the ``Part``s a rank
+registers in place (``layout.dtensor.parts``: replicated pieces published once) and
+fills in ``shard`` from their mesh when the caller gave none (plain tensors: (0, 1)).
+``place(shards, into)`` picks the reader's path: whole tensors of a version published
+as whole tensors take ``layout.place`` (chunks land as they are); anything else (a
+DTensor or ``Target`` destination, or a version published in boxes) is planned by box
+overlap (``layout.overlap``). ``registered(d)`` lists the tensors whose memory a
+publish or fetch registers.
+"""
+
+from __future__ import annotations
+
+from ..hub import protocol as p
+from ..layout import place as place_whole
+from ..layout.overlap import place_boxes
+from ..layout.targets import Part, Target, targets
+
+
+def _is_dtensor(value) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (a torch without torch.distributed)
+        return False
+    return isinstance(value, DTensor)
+
+
+def published(state_dict: dict, shard) -> tuple[dict, tuple[int, int]]:
+    if any(_is_dtensor(v) for v in state_dict.values()):
+        from ..layout import dtensor
+
+        state_dict, mesh_shard = dtensor.parts(state_dict)
+        if shard is None:
+            shard = mesh_shard
+    return state_dict, (0, 1) if shard is None else shard
+
+
+def registered(d: dict) -> list:
+    out = []
+    for v in d.values():
+        if isinstance(v, (Part, Target)):
+            out.append(v.tensor)
+        elif _is_dtensor(v):
+            out.append(v.to_local())
+        else:
+            out.append(v)
+    return out
+
+
+def place(shards: list[p.Manifest], into: dict):
+    boxed = any(t.global_shape for m in shards for t in m.tensors)
+    plain = all(not isinstance(v, (Part, Target)) and not _is_dtensor(v) for v in into.values())
+    if plain and not boxed:
+        return place_whole(shards, into)
+    return place_boxes(shards, targets(into))

@@ -1,0 +1,382 @@
+"""Reader side of layouts: plan a fetch by box overlap (contract 9).
+
+Protocol. ``place_boxes(shards, targets)`` maps the chunks of a version published in
+one layout onto destination ``Target``s of another and returns a ``Placed`` whose
+``wanted`` names the chunks the reader needs (the hub plans only those: ``Plan.want``).
+Each needed chunk is read one of three ways:
+
+- **direct**: every byte of the chunk lands in one contiguous run of a destination
+  (a row block of a Shard(0) piece in a TP row slice, a whole tensor): read straight
+  into it, verified whole; the reader then holds the chunk and serves it.
+- **whole, staged**: the reader needs every tile of the chunk (or it has no tiles) but
+  its bytes land scattered (a column piece of a whole-tensor reader): read whole into
+  staging, verified whole, scattered by ``Placed.finish``; also held.
+- **tiles**: the reader needs part of a chunk of whole rows: only the tiles its boxes
+  touch are read (a row of strips is one descriptor per row; full-width row blocks one
+  per block), each verified against the manifest's tile digest, then scattered. The
+  chunk is not held (``Plan.partial``): a reader never reads a whole chunk to cut a
+  slice out of it.
+
+Every accepted byte is checked against a digest from the publisher (contract 5):
+the chunk's, or its tiles'. ``LayoutError`` (nothing registered, nothing written)
+names each tensor at fault: a slot naming a tensor the version lacks, a global shape,
+dtype or box that does not match the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engines.base import Region
+from ..hub import protocol as p
+from .boxes import Box, intersect, layout_id, range_boxes
+from .chunking import rows_of
+from .placed import Placed
+from .targets import Slot, Target
+from .tensors import LayoutError, check_tensors, device_of, dtype_name, flat_bytes
+
+ALIGN = 64  # staging pieces start here, so any dtype can view them
+
+
+@dataclass(slots=True)
+class _Piece:
+    meta: p.TensorMeta
+    origin: tuple[int, ...]
+    shape: tuple[int, ...]
+    elem: int
+
+
+@dataclass(slots=True)
+class Tiled:
+    """A chunk read in part: ``pairs`` (offset in the holder's chunk, local flat view),
+    ``checks`` (bytes, the tile digest they must have), ``copies`` (source, destination)
+    once verified, and the bytes read."""
+
+    pairs: list[tuple[int, object]] = field(default_factory=list)
+    checks: list[tuple[object, int]] = field(default_factory=list)
+    copies: list[tuple[object, object]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class _Group:
+    """Elements [e0, e1) of one piece, spread over staged chunks: scattered once all
+    are in (``Placed.finish`` calls ``arrived`` per verified chunk)."""
+
+    piece: _Piece
+    spans: list  # (chunk, byte offset in the chunk, nbytes[, the chunk's staging view])
+    e0: int
+    e1: int
+    slots: list[Slot]
+    skip: int = 0  # bytes of a partial head element before e0
+    left: set = field(default_factory=set)
+
+    def arrived(self, chunk: int) -> None:
+        self.left.discard(chunk)
+        if not self.left:
+            _scatter_group(self)
+
+
+def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
+    import torch
+
+    pieces, problems = _pieces(shards)
+    slots: dict[str, list[Slot]] = {}
+    for target in targets:
+        for s in target.slots:
+            slots.setdefault(s.name, []).append(s)
+    problems += _check_slots(pieces, slots)
+    regs, device = check_tensors({f"target {i}": t.tensor for i, t in enumerate(targets)})
+    problems += regs
+    if problems:
+        raise LayoutError("the destination does not match the version's layout; nothing was written", problems)
+    owner = {id(s): t for t in targets for s in t.slots}
+    placed = Placed(views=[], regions=[], device=device, wanted=set())
+    staged: list[tuple[int, int]] = []  # (chunk, nbytes): whole chunks read into staging
+    tiled: dict[int, list] = {}  # chunk -> [(row block rows, strip range, row box list)]
+    groups: list[_Group] = []
+    chunk_id = 0
+    for rank, m in enumerate(shards):
+        spans = _chunk_spans(m, pieces[rank])
+        open_groups: dict[int, _Group] = {}  # a piece's bytes staged so far, up to an element boundary
+        start = 0
+        for c, meta in enumerate(m.chunks):
+            g = chunk_id + c
+            placed.views.append(None)
+            placed.digests.append(meta.digest)
+            needed = [(pc, lo, hi, [s for s in slots.get(pc.meta.name, ()) if _touches(pc, lo, hi, s)])
+                      for pc, lo, hi in spans[c]]
+            touched = {id(pc) for pc, _, _, ss in needed if ss}
+            for key in [k for k in open_groups if k not in touched]:
+                groups.append(open_groups.pop(key))  # its tail element touches no slot: done
+            if touched:
+                placed.wanted.add(g)
+                if len(needed) == 1 and (view := _direct(*needed[0], owner)) is not None:
+                    placed.views[g] = view
+                elif len(needed) == 1 and meta.tiles and (plan := _tiles_needed(*needed[0][:2], meta, needed[0][3])):
+                    tiled[g] = plan
+                else:
+                    staged.append((g, meta.nbytes))
+                    for pc, lo, hi, ss in needed:
+                        if not ss:
+                            continue
+                        grp = open_groups.get(id(pc))
+                        if grp is None:  # a partial head element touches no slot (else the last chunk had it)
+                            grp = open_groups[id(pc)] = _Group(pc, [], -(-lo // pc.elem), 0, slots[pc.meta.name],
+                                                             -(-lo // pc.elem) * pc.elem - lo)
+                        grp.spans.append((g, pc.meta.offset + lo - start, hi - lo))
+                        grp.e1 = hi // pc.elem
+                        if hi % pc.elem == 0:
+                            groups.append(open_groups.pop(id(pc)))
+            start += meta.nbytes
+        groups += open_groups.values()
+        chunk_id += len(m.chunks)
+    # Readers of one layout id read the same tiles of the same chunks, staged alike: one
+    # serves another its staged tiles as they lie (``Read.partial``).
+    placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
+                              + [(f"tiled:{g}", Box((), ())) for g in tiled])
+    sizes = [n for _, n in staged] + [sum(_tile_bytes(plan)) for plan in tiled.values()]
+    staging = _staging(torch, sizes, device)
+    if staging is not None:
+        placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
+        placed.keep.append(staging)
+    at = 0
+    for g, n in staged:
+        placed.views[g] = staging[at:at + n]
+        at = _aligned(at + n)
+    chunk_meta = [meta for m in shards for meta in m.chunks]
+    for g, plan in tiled.items():
+        at = _fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
+    for grp in groups:
+        if grp.e1 <= grp.e0:
+            continue
+        grp.left = {c for c, *_ in grp.spans}
+        for chunk in grp.left:
+            placed.waiting.setdefault(chunk, []).append(grp)
+        grp.spans = [(c, lo, n, placed.views[c]) for c, lo, n in grp.spans]
+    for t in targets:
+        if t.tensor.nbytes:
+            placed.regions.append(Region(t.tensor.data_ptr(), t.tensor.nbytes, device))
+            placed.keep.append(t.tensor)
+    return placed
+
+
+# --- checks ---------------------------------------------------------------------------
+
+
+def _pieces(shards: list[p.Manifest]) -> tuple[list[list[_Piece]], list[str]]:
+    import torch
+
+    out, problems = [], []
+    for m in shards:
+        mine = []
+        for t in m.tensors:
+            dtype = getattr(torch, t.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                problems.append(f"{t.name}: dtype {t.dtype!r} is not a torch dtype")
+                continue
+            elem = torch.empty((), dtype=dtype).element_size()
+            mine.append(_Piece(t, tuple(t.box_offsets or (0,) * len(t.shape)), tuple(t.shape), elem))
+        out.append(mine)
+    return out, problems
+
+
+def _check_slots(pieces: list[list[_Piece]], slots: dict[str, list[Slot]]) -> list[str]:
+    known: dict[str, _Piece] = {}
+    for mine in pieces:
+        for pc in mine:
+            known.setdefault(pc.meta.name, pc)
+    problems = []
+    for name, ss in slots.items():
+        pc = known.get(name)
+        if pc is None:
+            problems.append(f"{name}: not a tensor of this version")
+            continue
+        shape = tuple(pc.meta.global_shape or pc.meta.shape)
+        for s in ss:
+            if s.global_shape is not None and tuple(s.global_shape) != shape:
+                problems.append(f"{name}: global shape {list(s.global_shape)}, the manifest has {list(shape)}")
+            if dtype_name(s.view) != pc.meta.dtype:
+                problems.append(f"{name}: dtype {dtype_name(s.view)}, the manifest has {pc.meta.dtype}")
+            if len(s.box.sizes) != len(shape) or any(e > n for e, n in zip(s.box.ends, shape)):
+                problems.append(f"{name}: box {s.box} lies outside the global shape {list(shape)}")
+            if tuple(s.view.shape) != tuple(s.box.sizes):
+                problems.append(f"{name}: a view of shape {list(s.view.shape)} cannot hold box {s.box}")
+    return problems
+
+
+# --- which bytes of which chunk -------------------------------------------------------
+
+
+def _chunk_spans(m: p.Manifest, mine: list[_Piece]) -> list[list[tuple[_Piece, int, int]]]:
+    """Per chunk: (piece, lo, hi), the bytes [lo, hi) of the piece's own flat layout
+    that lie in it."""
+    out, start, order = [], 0, sorted((pc for pc in mine if pc.meta.nbytes), key=lambda pc: pc.meta.offset)
+    i = 0
+    for c in m.chunks:
+        end, here = start + c.nbytes, []
+        while i < len(order) and order[i].meta.offset + order[i].meta.nbytes <= start:
+            i += 1
+        j = i
+        while j < len(order) and order[j].meta.offset < end:
+            pc = order[j]
+            lo, hi = max(start, pc.meta.offset), min(end, pc.meta.offset + pc.meta.nbytes)
+            if lo < hi:
+                here.append((pc, lo - pc.meta.offset, hi - pc.meta.offset))
+            j += 1
+        out.append(here)
+        start = end
+    return out
+
+
+def _global_boxes(pc: _Piece, e0: int, e1: int) -> list[Box]:
+    return [b.shift(pc.origin) for b in range_boxes(e0, e1, pc.shape)]
+
+
+def _touches(pc: _Piece, lo: int, hi: int, s: Slot) -> bool:
+    return any(intersect(b, s.box) for b in _global_boxes(pc, lo // pc.elem, -(-hi // pc.elem)))
+
+
+def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
+    """The chunk's one contiguous run in a destination, or None."""
+    if lo % pc.elem or hi % pc.elem:
+        return None
+    boxes = _global_boxes(pc, lo // pc.elem, hi // pc.elem)
+    for s in ss:
+        if not all(intersect(b, s.box) == b for b in boxes):
+            continue
+        views = [s.view[_slices(b, s.box.offsets)] for b in boxes]
+        ptr = views[0].data_ptr()
+        at = ptr
+        for v in views:
+            if not v.is_contiguous() or v.data_ptr() != at:
+                break
+            at += v.nbytes
+        else:
+            target = owner[id(s)].tensor
+            start = ptr - target.data_ptr()
+            return flat_bytes(target)[start:start + hi - lo]
+    return None
+
+
+def _slices(box: Box, origin) -> tuple[slice, ...]:
+    return tuple(slice(o - z, o - z + n) for o, z, n in zip(box.offsets, origin, box.sizes))
+
+
+# --- tiles ----------------------------------------------------------------------------
+
+
+def _row_boxes(pc: _Piece, r0: int, r1: int, c0: int, c1: int) -> list[tuple[int, Box]]:
+    """Rows [r0, r1) x columns [c0, c1) of a piece as local boxes, each with its first row."""
+    if len(pc.shape) == 1:
+        return [(r0, Box((r0,), (r1 - r0,)))]
+    out, at = [], r0
+    for b in range_boxes(r0, r1, pc.shape[:-1]):
+        out.append((at, Box(b.offsets + (c0,), b.sizes + (c1 - c0,))))
+        at += b.volume
+    return out
+
+
+def _tiles_needed(pc: _Piece, lo: int, meta: p.ChunkMeta, ss: list[Slot]):
+    """Per row block with any tile needed: (first row, rows, first strip, last strip).
+    None when every tile is needed (the chunk is read whole)."""
+    _, per_row = rows_of(pc.shape)
+    row_bytes = per_row * pc.elem
+    r0, rows = lo // row_bytes, meta.nbytes // row_bytes
+    width = per_row // meta.strips
+    plan, every = [], True
+    for b0 in range(r0, r0 + rows, meta.tile_rows):
+        b1 = min(b0 + meta.tile_rows, r0 + rows)
+        need = [k for k in range(meta.strips)
+                if any(intersect(box.shift(pc.origin), s.box)
+                       for _, box in _row_boxes(pc, b0, b1, k * width, (k + 1) * width) for s in ss)]
+        every &= len(need) == meta.strips
+        if need:
+            plan.append((b0, b1, need[0], need[-1]))
+    return None if every else (pc, r0, row_bytes, width, ss, plan)
+
+
+def _tile_bytes(plan) -> list[int]:
+    pc, _, row_bytes, width, _, blocks = plan
+    strip = width * pc.elem
+    return [_aligned((b1 - b0) * (k1 - k0 + 1) * strip) for b0, b1, k0, k1 in blocks]
+
+
+def _fill_tiled(placed: Placed, g: int, plan, meta: p.ChunkMeta, staging, at: int) -> int:
+    pc, r0, row_bytes, width, ss, blocks = plan
+    import torch
+
+    strip = width * pc.elem
+    dtype = getattr(torch, pc.meta.dtype)
+    tiled = Tiled()
+    first = at
+    for b0, b1, k0, k1 in blocks:
+        rows, cols = b1 - b0, (k1 - k0 + 1) * strip
+        buf = staging[at:at + rows * cols]
+        grid = buf.view(rows, cols)
+        if k0 == 0 and k1 == meta.strips - 1:  # whole rows: one descriptor for the block
+            tiled.pairs.append(((b0 - r0) * row_bytes, buf))
+        else:
+            tiled.pairs += [((r - r0) * row_bytes + k0 * strip, grid[r - b0]) for r in range(b0, b1)]
+        block = (b0 - r0) // meta.tile_rows
+        for k in range(k0, k1 + 1):
+            tiled.checks.append((grid[:, (k - k0) * strip:(k - k0 + 1) * strip], meta.tiles[block * meta.strips + k]))
+        typed = buf.view(dtype).view(rows, cols // pc.elem)
+        for first_row, box in _row_boxes(pc, b0, b1, k0 * width, (k1 + 1) * width):
+            n = box.volume // box.sizes[-1] if len(pc.shape) > 1 else box.volume
+            data = typed[first_row - b0:first_row - b0 + n].reshape(box.sizes)
+            _copies(tiled.copies, data, box.shift(pc.origin), ss)
+        tiled.nbytes += rows * cols
+        at = _aligned(at + rows * cols)
+    placed.views[g] = staging[first:at]
+    placed.parts[g] = tiled
+    return at
+
+
+def _copies(out: list, data, box: Box, ss: list[Slot]) -> None:
+    """(source, destination) views for every slot ``box``'s data overlaps."""
+    for s in ss:
+        common = intersect(box, s.box)
+        if common is not None:
+            out.append((data[_slices(common, box.offsets)], s.view[_slices(common, s.box.offsets)]))
+
+
+# --- staged groups --------------------------------------------------------------------
+
+
+def _scatter_group(grp: _Group) -> None:
+    import torch
+
+    parts = [view[lo:lo + n] for _, lo, n, view in grp.spans]
+    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    pc = grp.piece
+    flat = flat[grp.skip:grp.skip + (grp.e1 - grp.e0) * pc.elem]
+    if flat.data_ptr() % pc.elem:
+        flat = flat.clone()  # a small tensor packed at an odd offset: align before viewing its dtype
+    typed = flat.view(getattr(torch, pc.meta.dtype))
+    at = 0
+    for b in range_boxes(grp.e0, grp.e1, pc.shape):
+        data = typed[at:at + b.volume].reshape(b.sizes)
+        at += b.volume
+        for src, dst in _collect(data, b.shift(pc.origin), grp.slots):
+            dst.copy_(src)
+
+
+def _collect(data, box: Box, ss: list[Slot]) -> list:
+    out: list = []
+    _copies(out, data, box, ss)
+    return out
+
+
+# --- staging --------------------------------------------------------------------------
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _staging(torch, sizes: list[int], device: int):
+    total = sum(_aligned(n) for n in sizes)
+    if not total:
+        return None
+    return torch.empty(total, dtype=torch.uint8, device="cpu" if device < 0 else f"cuda:{device}")
