@@ -54,6 +54,7 @@ import msgspec
 
 from ..hub import protocol as p
 from ..layout import LayoutError, Placed, place
+from ..layout.placement import piece_keys
 
 log = logging.getLogger("tensorhub.agent")
 DEFAULT_BASE = Path("/dev/shm/tensorhub")
@@ -192,7 +193,8 @@ class Store:
     def allocate(self, model: str, version: int, shards: list[p.Manifest]) -> dict:
         """Fresh tensors for a reader's copy of every shard in ``shards``, mapped from
         the store; the manifest is on disk before they are returned."""
-        specs = {t.name: (t.dtype, list(t.shape)) for m in shards for t in m.tensors}
+        keys = piece_keys(shards)  # (the publishers' layout: chunks are copied as they are)
+        specs = {keys[id(t)]: (t.dtype, list(t.shape)) for m in shards for t in m.tensors}
         return self._make(model, version, len(shards), -1, shards, specs)
 
     def allocate_like(self, model: str, version: int, state_dict: dict) -> dict:

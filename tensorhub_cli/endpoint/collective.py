@@ -46,11 +46,10 @@ import msgspec
 import torch
 
 from ..engines import dist as coll
-from ..errors import EndpointError, FetchError, TensorHubError
+from ..errors import EndpointError, FetchError, LayoutError, TensorHubError
 from ..hub import protocol as p
 from ..hub.client import HubClient
-from ..layout import place
-from . import checks, streams, waiting
+from . import checks, layouts, streams, waiting
 from .fetch import Fetch
 from .replica import Held
 
@@ -233,7 +232,12 @@ def _read(me: Member, resolved: p.Resolved, into, deadline: float, window: int,
         return
     if callable(into):
         into = into(resolved.shards)
-    placed = place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+    placed = layouts.place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+    if placed.wanted is not None:
+        # Members share whole chunks; a reader of another layout reads parts of them.
+        raise LayoutError("a collective fetch fills the publishers' layout (whole tensors); fetch a destination "
+                          "in another layout without collective=", [f"{key[0]}@{key[1]}: "
+                                                                   "destination in another layout"])
     ep._check_tier(placed, "into")
     for old in [h for h in ep._held() if h.overlaps(placed.regions)]:
         ep.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))

@@ -4,7 +4,9 @@ Protocol. ``published(state_dict, shard)`` turns DTensors into the ``Part``s a r
 registers in place (``layout.dtensor.parts``: replicated pieces published once) and
 fills in ``shard`` from their mesh when the caller gave none (plain tensors: (0, 1)).
 ``place(shards, into)`` picks the reader's path: whole tensors of a version published
-as whole tensors take ``layout.place`` (chunks land as they are); anything else (a
+as whole tensors, or tensors keyed and shaped as the publishers' own pieces
+(``layout.placement.piece_keys``: an agent's copy), take ``layout.place`` (chunks
+land as they are); anything else (a
 DTensor or ``Target`` destination, or a version published in boxes) is planned by box
 overlap (``layout.overlap``). ``registered(d)`` lists the tensors whose memory a
 publish or fetch registers.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from ..hub import protocol as p
 from ..layout import place as place_whole
+from ..layout.placement import piece_keys
 from ..layout.overlap import place_boxes
 from ..layout.targets import Part, Target, targets
 
@@ -51,6 +54,6 @@ def registered(d: dict) -> list:
 def place(shards: list[p.Manifest], into: dict):
     boxed = any(t.global_shape for m in shards for t in m.tensors)
     plain = all(not isinstance(v, (Part, Target)) and not _is_dtensor(v) for v in into.values())
-    if plain and not boxed:
-        return place_whole(shards, into)
+    if plain and (not boxed or into.keys() == set(piece_keys(shards).values())):
+        return place_whole(shards, into)  # the publishers' own layout (an agent's copy): chunks as they are
     return place_boxes(shards, targets(into))

@@ -33,7 +33,7 @@ from .boxes import Box, intersect, layout_id, range_boxes
 from .chunking import rows_of
 from .placed import Placed
 from .targets import Slot, Target
-from .tensors import LayoutError, check_tensors, device_of, dtype_name, flat_bytes
+from .tensors import LayoutError, check_tensors, dtype_name, flat_bytes
 
 ALIGN = 64  # staging pieces start here, so any dtype can view them
 

@@ -12,6 +12,11 @@ Protocol.
   with each chunk's digest kind, on ``into``'s own device (empty: byte for byte the
   version). Reads only.
 - ``allocate(shards, device)`` → fresh tensors matching the manifest.
+
+Keys: each piece of the version is one destination tensor, named by ``piece_keys``:
+its tensor's name, or ``name#rank`` where the name has pieces in several shards (a
+version published in boxes, held here as its publishers laid it out: an agent's
+retention copy). A destination in another layout goes through ``overlap``.
 """
 
 from __future__ import annotations
@@ -34,17 +39,28 @@ class _Staged:
     shard: p.Manifest
 
 
+def piece_keys(shards: list[p.Manifest]) -> dict[int, str]:
+    """id(TensorMeta) -> the destination key of that piece (see the module docstring)."""
+    count: dict[str, int] = {}
+    for m in shards:
+        for t in m.tensors:
+            count[t.name] = count.get(t.name, 0) + 1
+    return {id(t): t.name if count[t.name] == 1 else f"{t.name}#{rank}"
+            for rank, m in enumerate(shards) for t in m.tensors}
+
+
 def check_destination(shards: list[p.Manifest], into: dict) -> list[str]:
     """Every way ``into`` differs from the manifest (empty: it fits)."""
     import torch
 
+    keys = piece_keys(shards)
     want: dict[str, p.TensorMeta] = {}
     problems = []
     for rank, m in enumerate(shards):
         for t in m.tensors:
-            if t.name in want:
-                problems.append(f"{t.name}: appears in two shards (rank {rank} and an earlier one)")
-            want[t.name] = t
+            if keys[id(t)] in want:
+                problems.append(f"{t.name}: appears twice in shard {rank}")
+            want[keys[id(t)]] = t
     for name in sorted(want.keys() - into.keys()):
         problems.append(f"{name}: missing from the destination")
     for name in sorted(into.keys() - want.keys()):
@@ -75,6 +91,7 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
     first = next(iter(into.values()), None)
     device = device_of(first) if first is not None else -1  # checked above: one device for all
     placed = Placed(views=[], regions=[], device=device)
+    keys = piece_keys(shards)
     staged: list[_Staged] = []
     for m in shards:
         tensors = sorted((t for t in m.tensors if t.nbytes), key=lambda t: t.offset)
@@ -85,7 +102,7 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
             i = bisect.bisect_right(starts, start) - 1
             t = tensors[i] if i >= 0 else None
             if t is not None and t.offset <= start and end <= t.offset + t.nbytes:
-                placed.views.append(flat_bytes(into[t.name])[start - t.offset:end - t.offset])
+                placed.views.append(flat_bytes(into[keys[id(t)]])[start - t.offset:end - t.offset])
             else:
                 placed.views.append(None)  # filled below, once the staging buffer exists
                 staged.append(_Staged(len(placed.views) - 1, start, end, m))
@@ -103,7 +120,7 @@ def place(shards: list[p.Manifest], into: dict) -> Placed:
         at = 0
         for s in staged:
             placed.views[s.chunk] = staging[at:at + s.end - s.start]
-            placed.scatter[s.chunk] = _pieces(s.shard, s.start, s.end, placed.views[s.chunk], into)
+            placed.scatter[s.chunk] = _pieces(s.shard, s.start, s.end, placed.views[s.chunk], into, keys)
             at += s.end - s.start
     return placed
 
@@ -117,8 +134,8 @@ def _spans(m: p.Manifest, start: int, end: int):
             yield t, lo, hi
 
 
-def _pieces(m: p.Manifest, start: int, end: int, src, into: dict) -> list[Piece]:
-    return [Piece(flat_bytes(into[t.name]), lo - t.offset, src[lo - start:], hi - lo)
+def _pieces(m: p.Manifest, start: int, end: int, src, into: dict, keys: dict[int, str]) -> list[Piece]:
+    return [Piece(flat_bytes(into[keys[id(t)]]), lo - t.offset, src[lo - start:], hi - lo)
             for t, lo, hi in _spans(m, start, end)]
 
 
@@ -131,11 +148,12 @@ def verify(shards: list[p.Manifest], into: dict) -> list[str]:
     problems = check_destination(shards, into)
     if problems:
         return problems
+    keys = piece_keys(shards)
     for rank, m in enumerate(shards):
         start = 0
         for i, c in enumerate(m.chunks):
             end = start + c.nbytes
-            pieces = [(t.name, flat_bytes(into[t.name])[lo - t.offset:hi - t.offset])
+            pieces = [(t.name, flat_bytes(into[keys[id(t)]])[lo - t.offset:hi - t.offset])
                       for t, lo, hi in _spans(m, start, end)]
             # Joined where they lie: a dev64 chunk is hashed on its own device.
             flat = pieces[0][1] if len(pieces) == 1 else torch.cat([b for _, b in pieces])
@@ -151,5 +169,6 @@ def allocate(shards: list[p.Manifest], device: str = "cpu") -> dict:
     (the agent's host-tier retention copies, ``th sync`` into an agent)."""
     import torch
 
-    return {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=device)
+    keys = piece_keys(shards)
+    return {keys[id(t)]: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=device)
             for m in shards for t in m.tensors}

@@ -194,3 +194,24 @@ def test_a_second_reader_of_the_same_layout_reads_the_first_ones_tiles_not_the_p
     finally:
         for ep in pubs:
             ep.close()
+
+
+def test_a_copy_in_the_publishers_layout_holds_every_chunk_and_serves_after_they_leave(hub):
+    """An agent's retention copy (``layout.allocate``: one tensor per published piece)
+    copies chunks as they are; once the trainers are gone it serves readers of any layout."""
+    from tensorhub_cli.layout import allocate
+
+    full = weights(4)
+    pubs = publish_sharded(hub, full, 2, dim=1)
+    with connect(hub, TOKEN, name="agentlike", **SMALL) as keeper:
+        keeper.fetch("m", 1, into=allocate, timeout=30)
+        held = keeper._replicas[("m", 1)]
+        assert held.placed.wanted is None and len(held.held) == len(held.placed.views)
+        for ep in pubs:
+            ep.close()
+        with connect(hub, TOKEN, name="late", **SMALL) as late:
+            into, expect = targets_for(full, 0, 1, 2)
+            late.fetch("m", 1, into=into, timeout=30)
+            for name, (want, got) in expect.items():
+                assert torch.equal(want, got), name
+            assert late.last_fetch["from_publishers"] == 0
