@@ -236,6 +236,8 @@ def cover_problems(name: str, global_shape, boxes: list[Box]) -> list[str]:
         if any(e > s for e, s in zip(box.ends, shape)):
             problems.append(f"{name}: box {k} {box} lies outside the global shape {shape}")
         kept.append((k, box))
+    if not problems and _slabs(shape, [b for _, b in kept]):
+        return []
     for (k, a), (m, b) in itertools.combinations(kept, 2):
         common = intersect(a, b)
         if common is not None:
@@ -255,6 +257,24 @@ def cover_problems(name: str, global_shape, boxes: list[Box]) -> list[str]:
     if covered < whole.volume:
         problems.append(f"{name}: {whole.volume - covered} of {whole.volume} elements are not covered by any box")
     return problems
+
+
+def _slabs(shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """The common exact cover, checked in O(n log n): full in every dim but one, and
+    end to end along that one (what Shard(d) over any number of ranks gives). False
+    says only "not this shape of cover": the general check decides."""
+    if not boxes or not shape:
+        return False
+    split_dims = {d for b in boxes for d in range(len(shape)) if (b.offsets[d], b.sizes[d]) != (0, shape[d])}
+    if len(split_dims) > 1:
+        return False
+    d = split_dims.pop() if split_dims else 0
+    at = 0
+    for b in sorted(boxes, key=lambda b: (b.offsets[d], b.sizes[d])):
+        if b.offsets[d] != at:
+            return False
+        at += b.sizes[d]
+    return at == shape[d]
 
 
 def layout_id(pieces) -> str:
