@@ -92,16 +92,23 @@ def bench_p2p(as_json: bool = JsonOpt,
               mib: float = typer.Option(256, min=0.001, metavar="MIB", help="payload MiB"),
               reps: int = typer.Option(3, min=1, metavar="N", help="repetitions (medians are reported)"),
               window: int = typer.Option(4, min=1, metavar="N", help="reads in flight"),
-              engine: str = EngineOpt) -> None:
-    """One fetch through our endpoint vs raw NIXL READ vs raw TCP, between the same two processes."""
+              engine: str = EngineOpt,
+              layout: str = typer.Option("same", metavar="same|tp2",
+                                         help="same: ours vs raw NIXL vs raw TCP; tp2: TP-2 readers of a Shard(0) x 2 "
+                                         "publisher vs same-layout readers (a Llama of about --mib MiB)")) -> None:
+    """One fetch through our endpoint vs raw NIXL READ vs raw TCP, between the same two processes
+    (--layout tp2: a TP-2 layout read from two Shard(0) publishers vs the same layout's, in one run)."""
     _check_engine("p2p", engine)
+    if layout not in ("same", "tp2"):
+        fail(f"th bench p2p: --layout must be same or tp2, got {layout!r}", 2)
     from . import p2p
     from .rig import RigError
 
     if not as_json:
-        step("bench p2p: starting processes on loopback …", err)
+        what = "2 publishers + 2 TP readers" if layout == "tp2" else "processes"
+        step(f"bench p2p: starting {what} on loopback …", err)
     try:
-        result = p2p.run(mib=mib, reps=reps, window=window, engine=engine)
+        result = p2p.run(mib=mib, reps=reps, window=window, engine=engine, layout=layout)
     except (RigError, RuntimeError, ValueError) as exc:
         fail(f"th bench p2p: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))

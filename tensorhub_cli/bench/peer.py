@@ -4,6 +4,9 @@ It answers one JSON line per JSON line on stdin (see ``rig.Driven``). Besides th
 endpoint's own publish/fetch it can serve and read the same memory with raw NIXL (one
 READ of every chunk, no hub, no checksums) and a raw TCP socket (one stream), so that
 a benchmark compares our path with the bare transports between the same two processes.
+For ``p2p --layout tp2`` it publishes its rank's rows of a Llama (``publish_rows``), or
+prepares a TP rank's two destinations (``prepare_tp``) and fetches into one of them,
+checked bit for bit (``fetch_tp``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Peer:
         self.dst: dict | None = None
         self.raw = None
         self.raw_registered = False
+        self.tp_layouts: dict = {}  # p2p --layout tp2: this TP rank, and what each layout must hold
 
     def publish(self, model: str, version: int, mib: float, chunk_mib: float = 16) -> dict:
         sd = self.mine[(model, version)] = tensors(mib, version)
@@ -57,6 +61,65 @@ class Peer:
         self.ep.unpublish(model, version)
         self.mine.pop((model, version), None)
         return {"unpublished": version}
+
+    # --- p2p --layout tp2 (``p2p.run_tp2``) ----------------------------------------------
+
+    def publish_rows(self, model: str, version: int, config: dict, seed: int, rank: int, world: int,
+                     chunk_mib: float = 16) -> dict:
+        """Publish rows ``split(out, world, rank)`` of every HF tensor as ``Part``s."""
+        from tensorhub_cli.bench.p2p import llama_weights
+        from tensorhub_cli.layout.boxes import split
+        from tensorhub_cli.layout.targets import Part
+
+        parts = {}
+        for name, t in llama_weights(config, seed).items():
+            start, size = split(t.shape[0], world, rank)
+            parts[name] = Part(t.narrow(0, start, size).clone(), tuple(t.shape), (start,) + (0,) * (t.dim() - 1))
+        self.mine[(model, version)] = parts
+        m = self.ep.publish(model, version, parts, shard=(rank, world), chunk_bytes=int(chunk_mib * 2**20))
+        return {"chunks": len(m.chunks), "bytes": sum(p.tensor.nbytes for p in parts.values())}
+
+    def prepare_tp(self, config: dict, seed: int, rank: int, world: int) -> dict:
+        """What TP rank ``rank``'s destinations must hold: ``tp2`` (vLLM's parameters,
+        ``vllm_llama.reference``) and ``same`` (its Shard(0) rows of every HF tensor, by
+        ``torch.chunk``: an oracle that does not share ``boxes.split``)."""
+        import types
+
+        from tensorhub_cli.bench.p2p import llama_weights
+        from tensorhub_cli.layout import vllm_llama
+
+        cfg = types.SimpleNamespace(**config)
+        full = llama_weights(config, seed)
+        self.tp_layouts = {"config": cfg, "rank": rank, "world": world, "shapes": vllm_llama.global_shapes(cfg),
+                           "tp2": vllm_llama.reference(full, cfg, rank, world),
+                           "same": {n: t.chunk(world, 0)[rank] for n, t in full.items()}}
+        return {layout: sum(t.nbytes for t in self.tp_layouts[layout].values()) for layout in ("tp2", "same")}
+
+    def _tp_destination(self, layout: str) -> tuple[dict, dict]:
+        """A fresh, zeroed (every page touched) destination of ``layout``: (fetch's
+        ``into``, name -> tensor). Fresh per fetch, not reused: a re-fetch into cached
+        registrations delivers staged tensors from a stale staging buffer (reported
+        with the bench; ``registrations._adopt`` does not follow ``overlap``'s groups)."""
+        from tensorhub_cli.layout import targets, vllm_llama
+
+        cfg, rank, world = self.tp_layouts["config"], self.tp_layouts["rank"], self.tp_layouts["world"]
+        if layout == "tp2":
+            dst = {n: t.zero_() for n, t in vllm_llama.params(cfg, rank, world, torch.bfloat16).items()}
+            return vllm_llama.targets(dst, cfg, rank, world), dst
+        dst = {n: torch.zeros_like(t) for n, t in self.tp_layouts["same"].items()}
+        return {n: targets.tp(n, t, self.tp_layouts["shapes"][n], 0, rank, world) for n, t in dst.items()}, dst
+
+    def fetch_tp(self, model: str, version: int, layout: str, window: int = 4, timeout: float = 300) -> dict:
+        if layout not in ("tp2", "same"):
+            raise ValueError(f"layout: want tp2 or same, got {layout!r}")
+        into, dst = self._tp_destination(layout)
+        want = self.tp_layouts[layout]
+        t0 = time.monotonic()
+        got = self.ep.fetch(model, version, into=into, window=window, timeout=timeout)
+        s = time.monotonic() - t0
+        bad = [n for n in want if not torch.equal(dst[n], want[n])]
+        return {"version": got, "s": s, "equal": not bad, "mismatched": bad[:5],
+                "share": sum(t.nbytes for t in dst.values()), "stats": self.ep.last_fetch}
 
     # --- the bare transports, for comparison -----------------------------------------
 
@@ -138,6 +201,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--rack", default="")
     ap.add_argument("--dc", default="")
     ap.add_argument("--read-timeout-s", type=float, default=None, help="the endpoint's (default: its own)")
+    ap.add_argument("--small-bytes", type=int, default=None,
+                    help="tensors below this are packed into shared chunks (default: the endpoint's)")
     return ap
 
 
@@ -145,6 +210,8 @@ def connect_from(args, **extra):
     """``connect`` with the flags of ``arguments``."""
     if args.read_timeout_s is not None:
         extra.setdefault("read_timeout_s", args.read_timeout_s)
+    if args.small_bytes is not None:
+        extra.setdefault("small_bytes", args.small_bytes)
     return connect(hub=args.hub, token=args.token, name=args.name, engine=args.engine, host=args.host,
                    node=args.node, rack=args.rack, dc=args.dc, **extra)
 

@@ -141,16 +141,6 @@ def _shape(placed, staging: dict) -> tuple[tuple, list[int]]:
     return (public, tuple((regions[i].nbytes, regions[i].device) for i in order)), order
 
 
-def _follow(view, old, new):
-    """``view`` moved from buffer ``old`` onto ``new`` (same size), or itself if outside."""
-    if view is None:
-        return None
-    off = view.data_ptr() - old.data_ptr()
-    if 0 <= off < old.nbytes:
-        return new[off:off + view.nbytes]
-    return view
-
-
 def cap_bytes(value: object) -> int:
     """``reg_cache_bytes`` as given, or ``BadArgument`` naming it."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -195,11 +185,7 @@ class Registrations:
         for (i, new), ours in zip(staging, reg.staged):
             if fill:
                 ours.copy_(new)
-            placed.views[:] = [_follow(v, new, ours) for v in placed.views]
-            for pieces in placed.scatter.values():
-                for piece in pieces:
-                    piece.src = _follow(piece.src, new, ours)
-            placed.keep[:] = [ours if t is new else t for t in placed.keep]
+            placed.follow(new, ours)
             placed.regions[i] = Region(ours.data_ptr(), ours.nbytes, placed.regions[i].device)
 
     def release(self, reg: Registration | None) -> None:

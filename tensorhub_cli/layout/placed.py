@@ -21,6 +21,20 @@ from ..engines.base import Region
 from .checksum import digest
 
 
+def follow(view, old, new):
+    """``view`` (any dtype, shape, strides) moved from flat uint8 buffer ``old`` onto
+    ``new`` (same size), or itself if it does not lie in ``old``."""
+    if view is None:
+        return None
+    off = view.data_ptr() - old.data_ptr()
+    if not 0 <= off < old.nbytes:
+        return view
+    base = new[off:]
+    size = view.element_size()
+    base = base[:base.nbytes // size * size].view(view.dtype)
+    return base.as_strided(tuple(view.shape), tuple(view.stride()), base.storage_offset())
+
+
 @dataclass(slots=True)
 class Piece:
     """One destination tensor's share of a staged chunk."""
@@ -43,6 +57,23 @@ class Placed:
     parts: dict = field(default_factory=dict)  # chunk -> overlap.Tiled: read in part
     waiting: dict[int, list] = field(default_factory=dict)  # chunk -> staged groups it completes
     layout: str = ""  # a reader of another layout: its id (boxes.layout_id of its slots)
+
+    def follow(self, old, new) -> None:
+        """Every view into staging buffer ``old`` now points at the same bytes of
+        ``new`` (same size): a reused registration's buffer replaces a fresh one
+        (``endpoint.registrations``). Views of any dtype and strides follow."""
+        self.views[:] = [follow(v, old, new) for v in self.views]
+        for pieces in self.scatter.values():
+            for piece in pieces:
+                piece.src = follow(piece.src, old, new)
+        for tiled in self.parts.values():
+            tiled.pairs = [(at, follow(v, old, new)) for at, v in tiled.pairs]
+            tiled.checks = [(follow(v, old, new), want) for v, want in tiled.checks]
+            tiled.copies = [(follow(src, old, new), dst) for src, dst in tiled.copies]
+        for groups in self.waiting.values():
+            for group in groups:
+                group.spans = [(c, lo, n, follow(v, old, new)) for c, lo, n, v in group.spans]
+        self.keep[:] = [new if t is old else t for t in self.keep]
 
     def addr(self, chunk: int) -> int:
         return self.views[chunk].data_ptr()

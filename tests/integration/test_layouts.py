@@ -215,3 +215,30 @@ def test_a_copy_in_the_publishers_layout_holds_every_chunk_and_serves_after_they
             for name, (want, got) in expect.items():
                 assert torch.equal(want, got), name
             assert late.last_fetch["from_publishers"] == 0
+
+
+def test_fetching_again_into_the_same_targets_reuses_the_registration_and_lands_every_byte(hub):
+    """The registration cache hands the second fetch the first one's staging buffer:
+    every view into staging (tiles, their checks and copies, staged groups) must follow."""
+    full = {"big": torch.randn(64, 256), "n1": torch.randn(64), "n2": torch.randn(64)}
+    pubs = publish_sharded(hub, full, 2, dim=0)
+    try:
+        with connect(hub, TOKEN, name="again", **SMALL) as ep:
+            into, expect = targets_for(full, 1, 0, 2)  # columns of big: tiles; n1, n2: packed chunks
+            for version in (1, 2):
+                if version == 2:
+                    ep.unpublish("m", 1)
+                    for _, got in expect.values():
+                        got.zero_()
+                    for ep_pub, r in zip(pubs, range(2)):
+                        ep_pub.publish("m", 2, {n: Part(t.narrow(0, *split(t.shape[0], 2, r)).clone() * 2,
+                                                        tuple(t.shape), (split(t.shape[0], 2, r)[0],)
+                                                        + (0,) * (t.dim() - 1))
+                                               for n, t in full.items()}, shard=(r, 2))
+                ep.fetch("m", version, into=into, timeout=30)
+                for name, (want, got) in expect.items():
+                    assert torch.equal(want * version, got), (version, name)
+                assert ep.last_fetch["bytes"] > 0
+    finally:
+        for ep in pubs:
+            ep.close()
