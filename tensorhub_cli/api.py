@@ -32,7 +32,7 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
             connect_timeout: Optional[float] = None, on_command: Optional[Callable] = None,
             chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
             peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None,
-            reg_cache_bytes: Optional[int] = None):
+            reg_cache_bytes: Optional[int] = None, metrics_port: Optional[int] = None):
     """Join a TensorHub cluster as endpoint ``name``; returns a registered ``Endpoint``
     (``publish``, ``fetch``, ``unpublish``, ``versions``, ``close``; a context manager).
 
@@ -75,6 +75,11 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
         (256 GiB; 0 turns the cache off): memory published or fetched into again, as
         an in-place trainer's parameters, is registered once.
 
+    Metrics:
+      metrics_port: serve this process's fetch histograms (per-stage seconds, bytes:
+        ``endpoint.metrics``) on ``/metrics`` at this port (0: any free one); None
+        (default): ``$TH_METRICS_PORT`` if set, else not served.
+
     Hooks:
       on_command: ``handler(endpoint, command)`` for commands the hub pushes (default:
         ``SyncCommands``, serving ``th sync`` into what ``accept_sync`` named).
@@ -86,6 +91,7 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
 
     if (hub is None) == (cluster is None):
         raise BadArgument("connect needs exactly one of hub=... or cluster=...")
+    _serve_metrics(metrics_port)
     given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, device=device, kind=kind,
                  engine=engine, host=host, dc=dc, rack=rack, heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s,
                  plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
@@ -108,3 +114,24 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
         options.update(found)
         return endpoint_lib.connect(**options)
     return endpoint_lib.connect(hub=hub, token=token, **options)
+
+
+def _serve_metrics(port: Optional[int]) -> None:
+    import os
+
+    if port is None:
+        raw = os.environ.get("TH_METRICS_PORT", "")
+        if not raw:
+            return
+        try:
+            port = int(raw)
+        except ValueError:
+            raise BadArgument(f"TH_METRICS_PORT takes a port number, not {raw!r}") from None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise BadArgument(f"metrics_port takes a port number 0..65535, not {port!r}")
+    from .endpoint import metrics
+
+    try:
+        metrics.serve(port)
+    except OSError as exc:
+        raise BadArgument(f"metrics_port {port}: cannot serve /metrics there ({exc.strerror or exc})") from None

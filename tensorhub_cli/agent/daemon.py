@@ -113,6 +113,9 @@ def run(hub: str, token: str, node: str, address: str, dc: str, rack: str, spot:
         signal.signal(sig, lambda *_: stopping.set())
     signal.signal(signal.SIGUSR1, lambda *_: (drain.set(), stopping.set()))
     name = f"agent-{node}"
+    from ..api import _serve_metrics
+
+    _serve_metrics(None)  # $TH_METRICS_PORT: the retention pulls' fetch histograms (endpoint.metrics)
     kept = Store.open(agent_dir(name, hub, cluster, store), token)
     log.info("copies are stored in %s", kept.root)
     copies = kept.recover()

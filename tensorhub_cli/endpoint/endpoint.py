@@ -97,7 +97,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, verify
 from ..layout.tensors import device_of
-from . import checks, layouts, streams, waiting
+from . import checks, layouts, metrics, streams, waiting
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .fetch import Fetch, FetchError
@@ -401,10 +401,12 @@ class Endpoint:
         model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
             checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout,
                               resolve_timeout)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         resolved = waiting.resolve(self._call, p.Resolve(name=self.name, model=model, version=number, group=group),
                                    deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
                                    timeout=timeout)
+        resolved_at = time.monotonic()
         held = self._replicas.get((model, resolved.version))
         while held is not None and not held.complete and time.monotonic() < deadline:
             # Another thread is fetching it (a retention pull beside a `th sync`, on their
@@ -414,8 +416,9 @@ class Endpoint:
         if held is not None and held.complete and (
                 callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
-            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
             streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
+            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0,
+                               **metrics.stages(started, resolved_at, resolved_at, {}, time.monotonic())}
             return resolved.version  # already a complete holder of it (in this memory, if one was given)
         if held is not None:
             raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
@@ -431,6 +434,7 @@ class Endpoint:
         held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
                               layouts.registered(into))
         self._add(held)
+        set_up = time.monotonic()
         job = Fetch(self, held, deadline, window,
                     read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
                     plan_timeout=self.plan_timeout_s if plan_timeout is None else plan_timeout,
@@ -444,7 +448,8 @@ class Endpoint:
                                  "the destination holds no version") from None
             raise
         streams.reached(held.placed.device, held.written)  # the last scatter, before the caller's next kernel
-        self.last_fetch = job.stats
+        self.last_fetch = {**job.stats, **metrics.stages(started, resolved_at, set_up, job.times, time.monotonic())}
+        metrics.observe(self.last_fetch)
         return resolved.version
 
     def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:

@@ -73,6 +73,11 @@ class Fetch:
         self.peers: dict[str, Holder] = {}  # by the hub's name for the holder
         # from_publishers: bytes read from a published shard (a trainer's send counter)
         self.stats = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0}
+        # The loop's wall time, split by what it was waiting on (``_tick``): reads in
+        # flight (transfer), only checksums (verify), only the hub (plan wait). The
+        # three sum to the loop's time; bytes move while plans and hashing overlap.
+        self.times = {"plan_wait_s": 0.0, "transfer_s": 0.0, "verify_s": 0.0}
+        self._ticked = 0.0
         self.publisher_read: dict[int, bool] = {}  # chunk -> its latest read is from a published shard
         self.starts = held.starts()
         self.backoff = 0.0
@@ -85,10 +90,23 @@ class Fetch:
         time, sent without waiting: reads already started keep moving (and verifying)
         while the hub answers."""
         self.client = HubClient(self.ep._hub, self.ep._token, source=self.ep.host)
+        self._ticked = time.monotonic()
         try:
             self._loop()
         finally:
+            self._tick(time.monotonic())
             self.client.close()
+
+    def _tick(self, now: float) -> None:
+        """Charge the time since the last tick to what the loop was waiting on."""
+        if self.inflight or self.stopping:
+            key = "transfer_s"
+        elif self.verifying:
+            key = "verify_s"
+        else:
+            key = "plan_wait_s"
+        self.times[key] += now - self._ticked
+        self._ticked = now
 
     def _loop(self) -> None:
         total = self.held.wanted
@@ -96,6 +114,7 @@ class Fetch:
         plan_due, idle = True, 0.0002
         while True:
             now = time.monotonic()
+            self._tick(now)
             if now > self.deadline:
                 raise FetchError(f"timed out with {len(self.held.held) + len(self.held.passed)}/{total} chunks verified")
             if self.ep.service.fenced:  # a replaced process must not complete reads the hub gave away
