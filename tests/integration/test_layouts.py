@@ -102,20 +102,24 @@ def test_a_whole_tensor_reader_of_a_sharded_version_gets_every_byte(hub):
             ep.close()
 
 
-def test_fused_qkv_target_holds_each_ranks_q_k_v_rows_in_order(hub):
+@pytest.mark.parametrize("engine", ["tcp", "nixl"])
+def test_fused_qkv_and_a_column_slice_land_exactly_over_either_engine(hub, engine):
+    """NIXL reads a descriptor list (one per row of strips); tcp one ReadRanges."""
     g = torch.Generator().manual_seed(3)
     full = {"q": torch.randn(64, 32, generator=g), "k": torch.randn(16, 32, generator=g),
-            "v": torch.randn(16, 32, generator=g)}
+            "v": torch.randn(16, 32, generator=g), "o": torch.randn(128, 64, generator=g)}
     pubs = publish_sharded(hub, full, 2, dim=0)
     try:
         for rank in range(2):
-            with connect(hub, TOKEN, name=f"tp{rank}", **SMALL) as ep:
-                qkv = torch.zeros(32 + 8 + 8, 32)
+            with connect(hub, TOKEN, name=f"tp{rank}", **{**SMALL, "engine": engine}) as ep:
+                qkv, o = torch.zeros(32 + 8 + 8, 32), torch.zeros(128, 32)
                 target = fused(qkv, [("q", (64, 32)), ("k", (16, 32)), ("v", (16, 32))], 0, rank, 2)
-                ep.fetch("m", 1, into={"qkv": target}, timeout=30)
+                ep.fetch("m", 1, into={"qkv": target, "o": tp("o", o, (128, 64), 1, rank, 2)}, timeout=30)
                 want = torch.cat([full["q"][32 * rank:32 * rank + 32], full["k"][8 * rank:8 * rank + 8],
                                   full["v"][8 * rank:8 * rank + 8]])
                 assert torch.equal(qkv, want)
+                assert torch.equal(o, full["o"][:, 32 * rank:32 * rank + 32])
+                assert ep.engine.kind == engine  # NIXL loads here (UCX over shared memory and TCP)
     finally:
         for ep in pubs:
             ep.close()
