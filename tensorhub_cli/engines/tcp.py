@@ -6,7 +6,8 @@ connection to the holder and sends its pairs in batches of up to ``wire.MAX_RANG
 slice, costs one round trip, not thousands): one ``ReadRanges`` ask per batch, or a
 ``ReadBytes`` for a batch of one pair (a whole chunk: what every holder understands).
 It receives each pair's bytes with ``recv_into`` straight into the destination memory
-(no intermediate buffer), in the order asked.
+(no intermediate buffer), in the order asked; pairs whose destinations follow each
+other are received as one span.
 Every socket has a timeout (``timeout``, default 10 s: one connect, send or receive),
 so a silent holder fails the read instead of hanging it.
 
@@ -205,12 +206,15 @@ class TcpEngine(Engine):
                 body = wire.recv_answer(sock).body
                 if not isinstance(body, wire.Bytes) or body.nbytes != sum(p.nbytes for p in batch):
                     raise wire.PeerError(f"holder at {address} refused the read: {body}")
+                if staged is None:
+                    # Ranges that land back to back (a column slice read into staging,
+                    # row after row) are received as one span.
+                    for local, nbytes in _spans(batch):
+                        wire.recv_exact(sock, host_view(local, nbytes))
+                    continue
                 for pair in batch:
-                    if staged is None:
-                        wire.recv_exact(sock, host_view(pair.local, pair.nbytes))
-                    else:
-                        wire.recv_exact(sock, host_view(staged[0], pair.nbytes))
-                        self._copy.to_device(staged[0], pair.local, pair.nbytes, device)
+                    wire.recv_exact(sock, host_view(staged[0], pair.nbytes))
+                    self._copy.to_device(staged[0], pair.local, pair.nbytes, device)
         except BaseException:
             with xfer.lock:
                 xfer.sock = None
@@ -257,3 +261,14 @@ class TcpEngine(Engine):
             for idle in self._conns.values():
                 while not idle.empty():
                     idle.get_nowait()[0].close()
+
+
+def _spans(pairs: list[Pair]) -> list[tuple[int, int]]:
+    """(local address, bytes) of the pairs' destinations, consecutive ones merged."""
+    out: list[list[int]] = []
+    for pair in pairs:
+        if out and out[-1][0] + out[-1][1] == pair.local:
+            out[-1][1] += pair.nbytes
+        else:
+            out.append([pair.local, pair.nbytes])
+    return [(a, n) for a, n in out]

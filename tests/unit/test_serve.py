@@ -72,3 +72,26 @@ def test_a_send_keeps_the_registered_tensors_alive_after_they_are_dropped():
     assert asyncio.run(run()), "the memory being sent was freed under the send"
     gc.collect()
     assert alive() is None  # and let go once the send ended
+
+
+def test_regions_find_agrees_with_a_scan_of_every_region():
+    """``find`` bisects a sorted index; a brute-force scan is the oracle."""
+    import random
+
+    from tensorhub_cli.engines.base import Region
+    from tensorhub_cli.engines.serve import Regions
+
+    rng = random.Random(7)
+    for _ in range(200):
+        regs, spans = Regions(), []
+        for key in range(rng.randint(1, 6)):
+            mine = [Region(rng.randrange(0, 400), rng.randrange(0, 120), rng.choice([-1, 0]))
+                    for _ in range(rng.randint(1, 3))]
+            regs.add(key, mine, owner=key)
+            spans += [(r, key) for r in mine]
+        for _ in range(50):
+            addr, n = rng.randrange(0, 520), rng.randrange(1, 60)
+            hits = {(key, r.device) for r, key in spans if r.addr <= addr and addr + n <= r.addr + r.nbytes}
+            got = regs.find(addr, n)
+            assert (got is None) == (not hits) and (got is None or got in hits), (addr, n, spans)
+        regs.remove(0)
