@@ -297,12 +297,18 @@ def _hub_client(name: str, state):
 
 @app.command()
 def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
-            source: Path = typer.Option(..., "--from", help="a .safetensors checkpoint (a path on that node)"),
+            source: Path = typer.Option(..., "--from", metavar="CKPT|HF_DIR",
+                                        help="a .safetensors checkpoint, or an HF checkpoint directory "
+                                        "(model.safetensors.index.json + shards, or model.safetensors): "
+                                        "a path on that node"),
             version: Optional[int] = typer.Option(None, "--version", min=1, help="default: the newest known + 1"),
             node: Optional[str] = typer.Option(None, "--node", help="whose agent holds it (default: the hub's node)"),
             cluster: Optional[str] = ClusterOpt, timeout: float = typer.Option(
                 300.0, min=1, metavar="SECONDS", help="seconds until the version must be READY")) -> None:
-    """Load a checkpoint into a node's agent (host memory) and publish it as a version."""
+    """Load a checkpoint into a node's agent (host memory) and publish it as a version.
+
+    A directory is read as Hugging Face writes one (`save_pretrained`): the shards its
+    index names, by HF names. On a local cluster the checkpoint is checked here first."""
     from .launch import operate
     from .launch.models import publish_settings
     from .launch.state import cluster_dir
@@ -324,7 +330,7 @@ def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
     client = _hub_client(name, state)
     try:
         if spec.launcher == "local":  # the agent shares our file system: check before asking it
-            operate.check_checkpoint(source)
+            _check_source(source)
         number = version or operate.next_version(client, model)
         v = operate.publish_file(client, node, model, str(source.resolve() if spec.launcher == "local" else source),
                                  number, chunk, timeout,
@@ -334,6 +340,22 @@ def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
     finally:
         client.close()
     out.print(f"published {model}@{v.version} from {source} on {node}: {v.nbytes / 2**20:.1f} MiB in {v.chunks} chunks")
+
+
+def _check_source(source: Path) -> None:
+    """`th publish --from`'s checkpoint, a file or an HF directory: ``OperateError`` (2) naming it."""
+    from .adapters.hf import CheckpointError, check_dir
+    from .launch.operate import OperateError, check_checkpoint
+
+    if not source.exists():
+        raise OperateError(f"--from {source}: no such file or directory", 2)
+    if not source.is_dir():
+        check_checkpoint(source)
+        return
+    try:
+        check_dir(source)
+    except CheckpointError as exc:
+        raise OperateError(f"--from {exc}", 2) from None
 
 
 @app.command()

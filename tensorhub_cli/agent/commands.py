@@ -12,9 +12,11 @@ on one, ``fetch`` and ``load`` one at a time on the other; each outcome but
   offers it again. A failed fetch leaves no files.
 - ``fetch`` (``th sync``): the same, asked by an operator (into what ``accept_sync``
   named, if anything did: that memory is the caller's, not the store's).
-- ``load`` (``th publish --from``): read the safetensors file at ``path`` on this node
-  into store memory and publish it as ``model@version`` (``chunk_bytes``, else the
-  endpoint's chunk size); complete in the store once the hub took the manifest.
+- ``load`` (``th publish --from``): read the checkpoint at ``path`` on this node (a
+  safetensors file, or an HF checkpoint directory: ``adapters.hf.read_dir``, its
+  index's shards or one ``model.safetensors``, by HF names) into store memory and
+  publish it as ``model@version`` (``chunk_bytes``, else the endpoint's chunk size);
+  complete in the store once the hub took the manifest.
 - ``release``: the hub forgot that version: drop our copy at once, no drain, and its
   files (unless a fetch still fills that version: it owns them until it ends).
 
@@ -99,9 +101,7 @@ class AgentCommands:
             self.store.remove(cmd.model, cmd.version)
 
     def load(self, ep, cmd: p.Command) -> str:
-        from safetensors.torch import load_file
-
-        state_dict = load_file(cmd.path)
+        state_dict = read_checkpoint(cmd.path)
         stored = False
         if self.store is not None:
             try:
@@ -122,3 +122,16 @@ class AgentCommands:
         if stored:
             self.store.complete(cmd.model, cmd.version, shards=[manifest])
         return cmd.path
+
+
+def read_checkpoint(path: str) -> dict:
+    """A safetensors file, or an HF checkpoint directory (its shards, memory-mapped)."""
+    from pathlib import Path
+
+    if Path(path).is_dir():
+        from ..adapters.hf import read_dir
+
+        return read_dir(path)
+    from safetensors.torch import load_file
+
+    return load_file(path)

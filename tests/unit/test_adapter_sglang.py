@@ -1,0 +1,105 @@
+"""The SGLang custom weight loader, called as SGLang's ``WeightUpdater`` calls it
+(``load(model, named_tensors)``), against a real hub process. SGLang itself is not
+installed here (CPU machines); the model is a transformers Llama behind the contract
+SGLang's models keep: ``load_weights(iterable of (hf_name, tensor))``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorhub_cli import connect
+from tensorhub_cli.adapters import hf, sglang
+from tensorhub_cli.errors import BadArgument
+from tensorhub_cli.launch.procs import stop_child
+
+from ..conftest import free_port
+from ..integration.test_hub_service import TOKEN, start_hub, token_file  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.integration  # (a real hub process)
+
+
+class SGLangStyle(torch.nn.Module):
+    """A model whose ``load_weights`` copies each HF-named tensor into its parameter,
+    recording the names it was given (as SGLang's ``LlamaForCausalLM.load_weights``)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        self.inner = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        self.loaded: list[list[str]] = []
+
+    def load_weights(self, weights):
+        params = hf.destination(self.inner)
+        names = []
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+            names.append(name)
+        self.loaded.append(names)
+
+
+@pytest.fixture
+def env(token_file, monkeypatch):  # noqa: F811
+    """A hub, a trainer endpoint publishing on it, and the loader's environment."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address)
+    for key, value in dict(TH_HUB=address, TH_TOKEN_FILE=str(token_file), TH_MODEL="policy", TH_ENGINE="tcp",
+                           TH_NAME="sglang-0", TH_FETCH_TIMEOUT_S="30").items():
+        monkeypatch.setenv(key, value)
+    for key in ("TH_CLUSTER", "TH_TOKEN", "TH_VERSION", "TH_GROUP"):
+        monkeypatch.delenv(key, raising=False)
+    trainer = connect(hub=address, token=TOKEN, name="trainer", engine="tcp", heartbeat_s=0.2)
+    yield trainer
+    sglang.close(drain_timeout=0)
+    trainer.close(drain_timeout=0)
+    client.close()
+    stop_child(proc)
+
+
+def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_load_fetches_the_named_version_and_hands_it_to_load_weights_by_hf_names(env, monkeypatch):
+    v1, v2 = SGLangStyle(1).inner, SGLangStyle(2).inner
+    hf.publish(env, "policy", 1, v1)
+    model = SGLangStyle(3)
+    assert sglang.load(model, []) == 1  # TH_VERSION unset: latest
+    assert weights_equal(model.inner, v1)
+    assert sorted(model.loaded[-1]) == sorted(hf.destination(v1))
+    staging = {k: t.data_ptr() for k, t in sglang._state["staging"].items()}
+
+    hf.publish(env, "policy", 2, v2)
+    monkeypatch.setenv("TH_VERSION", "1")
+    assert sglang.load(model, [(sglang.VERSION_KEY, torch.tensor(2))]) == 2  # the update's own version wins
+    assert weights_equal(model.inner, v2)
+    assert sglang.load(model, None) == 1  # back to TH_VERSION, into the same staging memory
+    assert weights_equal(model.inner, v1) and len(model.loaded) == 3
+    assert {k: t.data_ptr() for k, t in sglang._state["staging"].items()} == staging
+
+
+@pytest.mark.parametrize("named, unset, needle", [
+    ([("model.norm.weight", torch.ones(32))], None, "named_tensors: 'model.norm.weight' is not 'tensorhub.version'"),
+    ([(sglang.VERSION_KEY, torch.tensor(1.5))], None, "must be one integer"),
+    ([], "TH_MODEL", "TH_MODEL is not set"),
+    ([], "TH_HUB", "TH_HUB is not set"),
+])
+def test_bad_input_is_refused_by_name_before_anything_is_loaded(env, monkeypatch, named, unset, needle):
+    hf.publish(env, "policy", 1, SGLangStyle(1).inner)
+    if unset:
+        monkeypatch.delenv(unset)
+    model = SGLangStyle(3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BadArgument, match=needle):
+        sglang.load(model, named)
+    assert model.loaded == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_bad_th_version_is_named(env, monkeypatch):
+    monkeypatch.setenv("TH_VERSION", "newest")
+    with pytest.raises(BadArgument, match="TH_VERSION must be a number or 'latest', not 'newest'"):
+        sglang.load(SGLangStyle(3), [])
