@@ -214,8 +214,9 @@ class Sync(Msg, tag="sync"):
 
 
 class Load(Msg, tag="load"):
-    """Have ``node``'s agent load a safetensors file (a path on that node) into host
-    memory and publish it as ``model@version``."""
+    """Have ``node``'s agent load a safetensors file, or a Hugging Face checkpoint
+    directory (sharded by its index), at ``path`` on that node into host memory and
+    publish it as ``model@version``."""
 
     node: str
     model: str
