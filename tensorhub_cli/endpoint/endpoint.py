@@ -505,12 +505,18 @@ class Endpoint:
 
     def verify(self, model: str, version: int, into: dict) -> list[str]:
         """Every way ``into`` differs from the manifest of ``model@version`` as this
-        endpoint holds it (empty: byte for byte the version). Re-reads ``into``."""
+        endpoint holds it (empty: byte for byte the version). Re-reads ``into``, which
+        must be in the publishers' layout (whole tensors, or their pieces): a
+        destination in another layout was verified tile by tile as it was fetched, and
+        its bytes cannot be re-hashed against chunks it holds only parts of."""
         self._check_open()
         model, version, into = checks.model(model), checks.version(version), checks.state_dict(into, "into")
         held = self._replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
+        if held.placed.wanted is not None:
+            raise BadArgument(f"verify: {self.name} holds {model}@{version} in another layout than its "
+                              "publishers'; it was verified tile by tile as it was fetched")
         return verify(held.shards, into)
 
     def release(self, model: str, version: int) -> None:

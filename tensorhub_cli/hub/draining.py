@@ -48,6 +48,8 @@ def forget_replica(v: Version, name: str, place: Place | None) -> None:
     """``name``'s replica of ``v`` is gone: so is it from every index over replicas."""
     del v.replicas[name]
     v.publishers.discard(name)
+    for tiles in v.layouts.values():
+        tiles.pop(name, None)
     v.respread()
     if place is not None:
         leave(v.near, place, name)

@@ -12,7 +12,6 @@ stopped heartbeating are dropped at the reader's next plan (contract 6).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
 
 from ..planner import LEVELS, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
@@ -58,10 +57,10 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     limit = window - len(reads)
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
     if limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)
-        replicas = _SameLayout(v.replicas, op.layout) if op.layout else v.replicas
         walk = Walk(
-            Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls),
-            Sources(replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
+            Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls,
+                   v.layouts.get(op.layout, {}) if op.layout else {}),
+            Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
                     v.serving, v.spread),
             Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
             hub.asking,
@@ -70,7 +69,8 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
                         levels=walk.levels(crossing), may_cross=crossing, deferred=walk.deferred)
     else:
         result = PlanResult()
-    _account(hub, now, v, reader, result.assigned)
+    # A reader of another layout may hold none of these chunks whole: nobody waits for it to relay them.
+    _account(hub, now, v, reader, result.assigned, relays=not op.layout)
     if result.crossed:
         v.seeds[reader.place.dc] = op.name
     hub.count("plans")
@@ -78,36 +78,17 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     # pinned but unlisted: the reader finishes or fails them on its own.
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c)) for c, s in sorted(reads.items())],
+        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout)) for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,
     )
 
 
-class _SameLayout(Mapping):
-    """The version's replicas as a reader of ``layout`` sees them: a replica of that
-    layout also holds the chunks it has the tiles of (the tiles this reader needs).
-    Built per plan, computed per replica the walk looks at."""
-
-    def __init__(self, replicas: dict[str, Replica], layout: str):
-        self._replicas, self._layout = replicas, layout
-
-    def __getitem__(self, name: str) -> Replica:
-        rep = self._replicas[name]
-        if rep.partial and rep.layout == self._layout:
-            return Replica(endpoint=name, held=rep.held | rep.partial, rank=rep.rank)
-        return rep
-
-    def __iter__(self):
-        return iter(self._replicas)
-
-    def __len__(self) -> int:
-        return len(self._replicas)
-
-
-def _partial(v: Version, source: str, chunk: int) -> bool:
+def _partial(v: Version, source: str, chunk: int, layout: str) -> bool:
+    """Planned onto ``source``'s tiles of the reader's layout, not a whole chunk."""
     rep = v.replicas.get(source)
-    return rep is not None and not rep.held >> chunk & 1 and bool(rep.partial >> chunk & 1)
+    tiles = v.layouts.get(layout, {}).get(source, 0) if layout else 0
+    return rep is not None and not rep.held >> chunk & 1 and bool(tiles >> chunk & 1)
 
 
 def _may_cross(v: Version, reader: Endpoint) -> bool:
@@ -119,12 +100,12 @@ def _may_cross(v: Version, reader: Endpoint) -> bool:
     return may_cross(seed, reader.name, active)
 
 
-def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned) -> None:
+def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned, relays: bool = True) -> None:
     """Pin each planned read and count its bytes by level, tier and publisher."""
     planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
     relayed = 0  # reads served by readers, not publishers: pipelined replication at work
     for chunk, source, level in assigned:
-        hub.pin(v, reader.name, chunk, source)
+        hub.pin(v, reader.name, chunk, source, relays)
         nbytes = v.chunk_nbytes[chunk]
         reader.bytes_planned += nbytes
         if v.replicas[source].rank >= 0:
@@ -179,10 +160,10 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
             hub.asking.done(op.name)
         index(hub, v, op.name)
     if op.partial:  # read in part (another layout): its tiles serve readers of that layout only
-        rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
-        rep.layout = op.layout
+        v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+        tiles = v.layouts.setdefault(op.layout, {})
         for c in op.partial:
-            rep.partial |= 1 << c
+            tiles[op.name] = tiles.get(op.name, 0) | 1 << c
             if c in v.reads.get(op.name, {}):
                 hub.unpin(v, op.name, c)
         index(hub, v, op.name)

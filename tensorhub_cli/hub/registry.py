@@ -39,10 +39,6 @@ class Replica:
     endpoint: str
     held: int = 0
     rank: int = -1  # >= 0: published shard (a publisher); -1: filled by reading
-    # A reader of another layout: the chunks it holds only the tiles of, which it
-    # serves to readers of the same ``layout`` (they need exactly those tiles).
-    partial: int = 0
-    layout: str = ""
 
 
 @dataclass
@@ -67,6 +63,7 @@ class Version:
     reads: dict[str, dict[int, str]] = field(default_factory=dict)
     pins: dict[str, int] = field(default_factory=dict)
     serving: dict[str, dict[int, int]] = field(default_factory=dict)  # source -> {chunk: readers}
+    quiet: set[tuple[str, int]] = field(default_factory=set)  # (reader, chunk) pins not in ``serving``
     seeds: dict[str, str] = field(default_factory=dict)  # dc -> the reader pulling across the DC link
     pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
     draining: set[str] = field(default_factory=set)  # replicas waiting for their pins to drain
@@ -78,6 +75,10 @@ class Version:
     # need not send these into that DC again. Filled by the hub on demand; dropped
     # whole when a reader loses chunks (``respread``), grown in place when one gains.
     spread: dict[str, int] = field(default_factory=dict)
+    # Holders per layout (contract 9): layout id -> reader -> the chunks it holds only
+    # the tiles of, which serve readers of that layout alone (they need exactly those
+    # tiles). Not holdings: never counted for coverage, retention or ``spread``.
+    layouts: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def respread(self, gained: int = -1, dc: str | None = None) -> None:
         """A reader in ``dc`` gained ``gained`` (cheap), or one lost chunks (-1)."""
@@ -140,9 +141,14 @@ class Version:
         rep = self.replicas.get(name)
         return rep is not None and self.assembled and rep.held == self.full
 
-    def pin(self, reader: str, chunk: int, source: str) -> None:
+    def pin(self, reader: str, chunk: int, source: str, relays: bool = True) -> None:
+        """``relays``: the reader will hold the chunk whole, so others may wait for it
+        to relay the chunk (``serving``); a reader of another layout reads tiles only."""
         self.reads.setdefault(reader, {})[chunk] = source
         self.pins[source] = self.pins.get(source, 0) + 1
+        if not relays:
+            self.quiet.add((reader, chunk))
+            return
         chunks = self.serving.setdefault(source, {})
         chunks[chunk] = chunks.get(chunk, 0) + 1
 
@@ -158,6 +164,9 @@ class Version:
             self.pins[source] = left
         else:
             del self.pins[source]
+        if (reader, chunk) in self.quiet:
+            self.quiet.discard((reader, chunk))
+            return source
         chunks = self.serving[source]
         if chunks[chunk] > 1:
             chunks[chunk] -= 1

@@ -152,10 +152,10 @@ class HubState:
         ep = self.endpoints.get(name)
         return ep is not None and ep.info.reliable
 
-    def pin(self, v: Version, reader: str, chunk: int, source: str) -> None:
+    def pin(self, v: Version, reader: str, chunk: int, source: str, relays: bool = True) -> None:
         """A read in flight: it holds ``source``'s drain back (contract 3) and counts
-        against its read slots."""
-        v.pin(reader, chunk, source)
+        against its read slots (``relays``: see ``Version.pin``)."""
+        v.pin(reader, chunk, source, relays)
         load = self.load[source] = self.load.get(source, 0) + 1
         if load >= self.config.max_reads_per_source:
             self.full.add(source)

@@ -41,6 +41,9 @@ class Reader:
     mine: dict[str, int] = field(default_factory=dict)  # its reads in flight, per source
     avoid: Collection[str] = ()  # sources that failed it (contract 5: last resort)
     retention_pull: bool = False  # an agent copying a retained version
+    # Per source, chunks it holds for this reader only: the tiles of the reader's own
+    # layout (contract 9), which no other reader could use.
+    extra: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -114,11 +117,14 @@ class Walk:
         s, r, lim, asking = self.sources, self.reader, self.limits, self.asking
         replicas, endpoints, load, serving = s.replicas, s.endpoints, s.load, s.serving
         now, expiry, cap, star = lim.now, lim.expiry_s, lim.cap, lim.star
-        me, here, needed, mine, avoid = r.name, r.place, r.needed, r.mine, r.avoid
+        me, here, needed, mine, avoid, extra = r.name, r.place, r.needed, r.mine, r.avoid, r.extra
         closed = self.closed()
         for name in names:
             rep = replicas.get(name)
-            if rep is None or not rep.held & needed or name == me or name in closed:
+            if rep is None:
+                continue
+            held = rep.held | extra.get(name, 0) if extra else rep.held
+            if not held & needed or name == me or name in closed:
                 continue
             if star and rep.rank < 0:
                 continue
@@ -131,7 +137,6 @@ class Walk:
                 # compare with ours.
                 yield Candidate(name, rep.held, level_between(here, ep.place), busy, name in avoid)
                 continue
-            held = rep.held
             publisher = rep.rank >= 0
             if publisher and not avoid:
                 # A publisher sends into a DC only chunks no reader there has yet:

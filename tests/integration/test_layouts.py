@@ -246,3 +246,19 @@ def test_fetching_again_into_the_same_targets_reuses_the_registration_and_lands_
     finally:
         for ep in pubs:
             ep.close()
+
+
+def test_verify_of_a_destination_in_another_layout_says_why_it_cannot(hub):
+    from tensorhub_cli.errors import BadArgument
+
+    full = {"w": torch.randn(64, 64)}
+    pubs = publish_sharded(hub, full, 2)
+    try:
+        with connect(hub, TOKEN, name="v", **SMALL) as ep:
+            into, _ = targets_for(full, 1, 0, 2)
+            ep.fetch("m", 1, into=into, timeout=30)
+            with pytest.raises(BadArgument, match="another layout"):
+                ep.verify("m", 1, {"w": torch.zeros(64, 64)})
+    finally:
+        for ep in pubs:
+            ep.close()

@@ -119,6 +119,7 @@ class CopyFetch:
 
     def __init__(self, ep, held, deadline, window, **_):
         self.held, self.stats = held, {"bytes": 0}
+        self.times = {"transfer_s": 0.0}  # (Fetch splits its loop time by stage)
 
     def run(self) -> None:
         views, placed = self.source[self.held.key], self.held.placed
