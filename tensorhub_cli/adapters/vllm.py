@@ -290,6 +290,9 @@ def _engine_class():
                 self._paused_at = None
             shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.metrics.items()}
             log.info("tensorhub: loaded %s@%s: %s", self.model_name, self.metrics.get("version"), shown)
+            from ..endpoint import metrics as histograms  # (the fetch's own stages were observed by fetch)
+
+            histograms.observe({k: v for k, v in self.metrics.items() if k in ("load_s", "pause_s")})
 
         def shutdown(self) -> None:
             endpoint, self.endpoint = self.endpoint, None
