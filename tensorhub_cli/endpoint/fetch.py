@@ -3,12 +3,16 @@
 Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
 
 1. Ask the hub for a ``Plan``: every read outstanding for us, old and new, up to the
-   window. Reads we are not running yet start at once, one engine read per chunk,
-   straight into the destination memory. A read the hub no longer lists (its source
+   window (a reader of another layout asks only for the chunks its boxes touch,
+   ``Held.want``, and names its layout). Reads we are not running yet start at once,
+   one engine read per chunk, straight into the destination memory, or, for a chunk
+   we need only part of, one read of the tiles we need (a descriptor per row of
+   strips: ``layout.overlap``), or of a same-layout holder's tiles as they lie. A read the hub no longer lists (its source
    expired, so the hub re-planned the chunk) is abandoned for the new one.
 2. Poll the reads. A finished chunk is checksum-verified (contract 5), on a verifier
    thread so hashing overlaps the next reads, before it counts:
-   a match makes us a holder of it; a mismatch, an engine failure or a read older than
+   a match makes us a holder of it (of a chunk read in part: ``partial``, held for
+   readers of our layout only, and scattered into the destination); a mismatch, an engine failure or a read older than
    ``read_timeout`` goes back to the hub as failed, and the hub re-plans it elsewhere.
    A read given up while its transfer is pending (timed out; re-planned by the hub)
    is told to stop, and is reported (which unpins it at its source) only once the

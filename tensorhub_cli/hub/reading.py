@@ -5,7 +5,9 @@ and pins each planned read on its source (contract 3: a pinned source's drain wa
 for it). A ``Plan`` may carry the reader's progress since its last one, so a fetch is
 one round trip per cycle. ``progress`` turns verified chunks into held ones (the
 reader is a holder of them from then on) and failed reads into re-plans elsewhere
-(contract 5); ``cancel`` drops a reader's reads in flight. Reads onto a source that
+(contract 5); chunks read in part by a reader of another layout (``partial``) become
+its tiles in ``Version.layouts``, planned to readers of that same layout only
+(``Reader.extra``) and never waited on as relays (quiet pins); ``cancel`` drops a reader's reads in flight. Reads onto a source that
 stopped heartbeating are dropped at the reader's next plan (contract 6).
 """
 
