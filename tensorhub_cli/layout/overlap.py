@@ -358,14 +358,10 @@ def _scatter_group(grp: _Group) -> None:
     for b in range_boxes(grp.e0, grp.e1, pc.shape):
         data = typed[at:at + b.volume].reshape(b.sizes)
         at += b.volume
-        for src, dst in _collect(data, b.shift(pc.origin), grp.slots):
+        copies: list = []
+        _copies(copies, data, b.shift(pc.origin), grp.slots)
+        for src, dst in copies:
             dst.copy_(src)
-
-
-def _collect(data, box: Box, ss: list[Slot]) -> list:
-    out: list = []
-    _copies(out, data, box, ss)
-    return out
 
 
 # --- staging --------------------------------------------------------------------------

@@ -9,21 +9,16 @@ import pytest
 import torch
 
 from tensorhub_cli.endpoint import connect, metrics
-from tensorhub_cli.launch.procs import stop_child
 
-from ..conftest import free_port
-from .test_hub_service import TOKEN, start_hub, token_file  # noqa: F401 (a fixture)
+from .test_hub_service import TOKEN, running_hub, token_file  # noqa: F401 (a fixture)
 
 STAGES = ("resolve_s", "setup_s", "plan_wait_s", "transfer_s", "verify_s")
 
 
 @pytest.fixture
 def hub(token_file):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc, client = start_hub(token_file, address)
-    yield address
-    client.close()
-    stop_child(proc)
+    with running_hub(token_file) as (address, _, _):
+        yield address
 
 
 def count(stage: str) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import subprocess
 import sys
 import time
@@ -38,13 +40,22 @@ def token_file(tmp_path):
     return path
 
 
-@pytest.fixture
-def hub(token_file):
+@contextmanager
+def running_hub(token_file):
+    """A hub process on a free port: (address, client, proc); stopped by its PID on exit."""
     address = f"tcp://127.0.0.1:{free_port()}"
     proc, client = start_hub(token_file, address)
-    yield address, client, proc
-    client.close()
-    stop_child(proc)
+    try:
+        yield address, client, proc
+    finally:
+        client.close()
+        stop_child(proc)
+
+
+@pytest.fixture
+def hub(token_file):
+    with running_hub(token_file) as started:
+        yield started
 
 
 def raw_exchange(address: str, frames: list[bytes]) -> p.Reply:

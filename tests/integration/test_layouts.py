@@ -12,23 +12,18 @@ import torch
 
 from tensorhub_cli.endpoint import connect
 from tensorhub_cli.errors import HubError, LayoutError
-from tensorhub_cli.launch.procs import stop_child
 from tensorhub_cli.layout.boxes import Box, split
 from tensorhub_cli.layout.targets import Part, Slot, Target, fused, tp
 
-from ..conftest import free_port
-from .test_hub_service import TOKEN, start_hub, token_file  # noqa: F401 (a fixture)
+from .test_hub_service import TOKEN, running_hub, token_file  # noqa: F401 (a fixture)
 
 SMALL = dict(chunk_bytes=16 << 10, small_bytes=4 << 10, heartbeat_s=0.2, engine="tcp")
 
 
 @pytest.fixture
 def hub(token_file):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    proc, client = start_hub(token_file, address)
-    yield address
-    client.close()
-    stop_child(proc)
+    with running_hub(token_file) as (address, _, _):
+        yield address
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
