@@ -1,7 +1,7 @@
-"""Rollout runner: load the newest version into the model's own parameters, prove it is
-that version, generate with it, repeat.
+"""Rollout runner: load the newest version, prove it is that version, generate with it,
+repeat.
 
-Protocol of one iteration:
+Protocol of one iteration, in-place (the default; one buffer, veRL-style):
 
 1. fetch ``latest`` (with ``--group``: every member gets the same version, contract 2)
    straight into the parameters, plus a buffer for the version's probe. A version we
@@ -14,15 +14,23 @@ Protocol of one iteration:
    for.
 3. generate greedily on fixed prompts for ``--rollout-s``.
 
-Stall is time the rollout could have generated but waited on weights: fetches that
-moved bytes, and in the ``--barrier N`` baseline (a veRL-style global sync) the wait
-until N rollouts hold the version. Waiting for the very first version to exist is
-``wait_s``, not stall. Staleness is the newest version the hub knows minus the one
-held, at the start of each generation.
+``--double-buffer``: two copies of the model (``buffers``). The first version loads as
+above; from then on a background thread fetches and checks each newer version into
+the spare copy while generation goes on with the active one (still published, so
+others read from it), and the iteration starts by swapping the two when one is ready.
+The old version is unpublished only when a newer one needs its buffer.
 
-Events on stdout: ``loaded`` per version (stall, staleness, bytes), ``mismatch``,
-``done``. Stops after loading ``--until-version`` and one generation, at SIGTERM, or
-after ``--duration-s``.
+Stall is time the rollout could have generated but waited on weights: in-place, fetches
+that moved bytes, and in the ``--barrier N`` baseline (a veRL-style global sync) the
+wait until N rollouts hold the version; double-buffered, the first fetch and then only
+the swaps. Waiting for the very first version to exist is ``wait_s``, not stall.
+``fetch_s`` is the fetch and check, whoever waited on it. Staleness is the newest
+version the hub knows minus the one held, at the start of each generation window.
+
+Events on stdout: ``loaded`` per version (stall, fetch, staleness, bytes),
+``generated`` per window (version, rounds, tokens), ``unpublished`` (double-buffered:
+an old version let go, after its swap), ``retry``, ``mismatch``, ``done``. Stops after
+loading ``--until-version`` and one generation, at SIGTERM, or after ``--duration-s``.
 """
 
 from __future__ import annotations
@@ -31,12 +39,11 @@ import argparse
 import logging
 import time
 
-import torch
-
 from tensorhub_cli.endpoint import FetchError
 from tensorhub_cli.hub.client import HubError
 
 from . import model as M
+from .buffers import POLL_S, Buffer, Fetcher, check
 from .common import add_common, emit, join, model_config, stop_on_signals, wait_for_copies
 
 log = logging.getLogger("tensorhub.rollout")
@@ -45,10 +52,30 @@ MISMATCH = 3
 
 
 def newest(ep, model: str) -> int:
+    """The newest READY version (one a rollout could load); 0 when the hub cannot say."""
     try:
-        return max((v.version for v in ep.versions(model)), default=0)
+        return max((v.version for v in ep.versions(model) if v.state == "READY"), default=0)
     except HubError:
         return 0
+
+
+def generate(net, seconds: float, new_tokens: int, stopping) -> tuple[int, int]:
+    """Greedy rounds over the fixed prompts for ``seconds``: (rounds, tokens)."""
+    rounds = tokens = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not stopping.is_set():
+        for prompt in PROMPTS:
+            tokens += len(M.generate(net, prompt, new_tokens))
+        rounds += 1
+    return rounds, tokens
+
+
+def loaded(ep, model: str, version: int, previous: int, began: float, stall: float, fetch_s: float, stats: dict,
+           wait_s: float, buffers: int) -> None:
+    emit("loaded", version=version, previous=previous, began=began, stall_s=stall, fetch_s=fetch_s,
+         bytes=stats["bytes"], from_publishers=stats["from_publishers"], corrupt=stats["corrupt"],
+         failed=stats["failed"], wait_s=wait_s, staleness=max(0, newest(ep, model) - version), probe_ok=True,
+         buffers=buffers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,63 +91,94 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--wait-s", type=float, default=120.0, help="give up if no version is READY by then")
     r.add_argument("--fetch-timeout-s", type=float, default=120.0)
     r.add_argument("--window", type=int, default=4, help="reads in flight per fetch")
+    r.add_argument("--double-buffer", action="store_true",
+                   help="fetch each new version into a second copy of the model while generating with the "
+                        "current one, then swap (2x the weights' memory)")
     r.add_argument("--barrier", type=int, default=0, help="baseline: wait until N rollouts hold each version")
     r.add_argument("--barrier-prefix", default="rollout", help="baseline: the rollouts' names start with this")
     args = ap.parse_args(argv)
+    if args.barrier and args.double_buffer:
+        ap.error("--barrier is the in-place global-sync baseline; it does not go with --double-buffer")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(message)s")
     stopping = stop_on_signals()
     M.deterministic()
     cfg = model_config(args)
-    net = M.build(cfg)
-    params = M.weights(net)
-    probe = torch.empty_like(M.probe(net))
-    into = {**params, M.PROBE: probe}
+    active = Buffer.build(cfg)
+    spare = Buffer.build(cfg) if args.double_buffer else None
     ep = join(args, "rollout", reliable=not args.spot, group=args.group)
-    emit("started", name=args.name, model=M.describe(cfg, net))
-    began, held, tokens, wait_s = time.monotonic(), 0, 0, 0.0
+    emit("started", name=args.name, model=M.describe(cfg, active.net), buffers=2 if spare else 1)
+    began, tokens, wait_s = time.monotonic(), 0, 0.0
+    fetcher: Fetcher | None = None
     try:
         while not stopping.is_set() and time.monotonic() - began < args.duration_s:
-            t0, fetch_began = time.monotonic(), time.time()
-            try:
-                # wait=False: this loop waits itself, between checks of `stopping`
-                version = ep.fetch(args.model_name, "latest", into=into, group=args.group,
-                                   timeout=args.fetch_timeout_s, window=args.window, wait=False)
-            except HubError as exc:
-                if exc.code != "not_found" or time.monotonic() - (t0 if held else began) > args.wait_s:
-                    raise
-                stopping.wait(0.05)
-                if held:  # between an in-place trainer's unpublish and its next publish
-                    emit("retry", reason="no version READY", began=fetch_began, stall_s=time.monotonic() - t0)
-                else:  # nothing READY yet: not a stall, the trainer has not started
-                    wait_s = time.monotonic() - began
-                continue
-            except FetchError as exc:  # the version went away mid-fetch: the next one is coming
-                emit("retry", reason=str(exc), began=fetch_began, stall_s=time.monotonic() - t0)
-                continue
-            stats = ep.last_fetch
-            if version != held:
-                problems = ep.verify(args.model_name, version, into)
-                mine = M.probe(net)
-                if problems or not torch.equal(mine, probe):
-                    diff = float((mine - probe).abs().max()) if mine.shape == probe.shape else float("nan")
-                    emit("mismatch", version=version, problems=problems[:5], probe_max_abs_diff=diff)
+            if fetcher is not None:  # double-buffered, after the first version
+                if fetcher.error is not None:
+                    raise fetcher.error
+                if fetcher.mismatch is not None:
+                    emit("mismatch", **fetcher.mismatch)
                     return MISMATCH
-                if args.barrier:
-                    wait_for_copies(ep, args.model_name, version, args.barrier,
-                                    lambda name: name.startswith(args.barrier_prefix), stopping, args.fetch_timeout_s)
-                stall = time.monotonic() - t0
-                emit("loaded", version=version, previous=held, began=fetch_began, stall_s=stall, bytes=stats["bytes"],
-                     from_publishers=stats["from_publishers"], corrupt=stats["corrupt"], failed=stats["failed"],
-                     wait_s=wait_s, staleness=max(0, newest(ep, args.model_name) - version), probe_ok=True)
-                held = version
-            end = time.monotonic() + args.rollout_s
-            while time.monotonic() < end and not stopping.is_set():
-                for prompt in PROMPTS:
-                    tokens += len(M.generate(net, prompt, args.new_tokens))
-            if args.until_version and held >= args.until_version:
+                if fetcher.ready is not None:
+                    t0, previous = time.monotonic(), active.version
+                    active, ready = fetcher.swap(active)
+                    stall = time.monotonic() - t0
+                    loaded(ep, args.model_name, ready.version, previous, ready.began, stall, ready.fetch_s,
+                           ready.stats, wait_s, buffers=2)
+                    fetcher.resume()  # (after `loaded`: the old version's unpublish follows its swap)
+            else:
+                t0, fetch_began = time.monotonic(), time.time()
+                try:
+                    # wait=False: this loop waits itself, between checks of `stopping`
+                    version = ep.fetch(args.model_name, "latest", into=active.into, group=args.group,
+                                       timeout=args.fetch_timeout_s, window=args.window, wait=False)
+                except HubError as exc:
+                    held = active.version
+                    if exc.code != "not_found" or time.monotonic() - (t0 if held else began) > args.wait_s:
+                        raise
+                    stopping.wait(0.05)
+                    if held:  # between an in-place trainer's unpublish and its next publish
+                        emit("retry", reason="no version READY", began=fetch_began, stall_s=time.monotonic() - t0)
+                    else:  # nothing READY yet: not a stall, the trainer has not started
+                        wait_s = time.monotonic() - began
+                    continue
+                except FetchError as exc:  # the version went away mid-fetch: the next one is coming
+                    active.version = 0
+                    emit("retry", reason=str(exc), began=fetch_began, stall_s=time.monotonic() - t0)
+                    continue
+                stats = ep.last_fetch
+                if version != active.version:
+                    bad = check(ep, args.model_name, version, active)
+                    if bad:
+                        emit("mismatch", **bad)
+                        return MISMATCH
+                    fetch_s = time.monotonic() - t0
+                    if args.barrier:
+                        wait_for_copies(ep, args.model_name, version, args.barrier,
+                                        lambda name: name.startswith(args.barrier_prefix), stopping,
+                                        args.fetch_timeout_s)
+                    stall = time.monotonic() - t0
+                    loaded(ep, args.model_name, version, active.version, fetch_began, stall, fetch_s, stats, wait_s,
+                           buffers=2 if spare else 1)
+                    active.version = version
+                    if spare is not None:
+                        fetcher = Fetcher(ep, args, active, spare, stopping)
+                        fetcher.start()
+            if args.rollout_s > 0:
+                window_began = time.time()
+                stale = max(0, newest(ep, args.model_name) - active.version)
+                rounds, made = generate(active.net, args.rollout_s, args.new_tokens, stopping)
+                tokens += made
+                emit("generated", version=active.version, began=window_began, rounds=rounds, tokens=made,
+                     staleness=stale)
+            elif fetcher is not None:  # (no generation: wait for the fetcher, do not spin)
+                stopping.wait(POLL_S)
+            if args.until_version and active.version >= args.until_version:
                 break
-        emit("done", held=held, tokens=tokens)
+        emit("done", held=active.version, tokens=tokens)
     finally:
+        stopping.set()  # (the fetcher stops too)
+        if fetcher is not None:
+            # A fetch in flight is not interruptible: close fails it (the fetcher is a daemon)
+            fetcher.join(timeout=5.0)
         ep.close(drain_timeout=args.drain_timeout_s or 30.0)
     return 0
 

@@ -23,7 +23,8 @@ stops until N complete replicas of the version exist (what a veRL-style sync sta
 does). Trainer stall is the time a step spent on weight movement (drain, copy,
 publish, and in the baseline the wait), not on compute.
 
-Events on stdout: ``published`` per version, then ``done``; after the last step the
+Events on stdout: ``published`` per version (``published_at``: when ``publish``
+returned, the version readable from then on), then ``done``; after the last step the
 trainer keeps serving until SIGTERM or ``--linger-s``.
 """
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.rank == 0:
                 state = {**state, M.PROBE: probe.clone() if pool is not None else probe}
             ep.publish(args.model_name, step, state, shard=(args.rank, args.world), chunk_bytes=chunk)
+            published_at = time.time()  # (readable from here: what a rollout's staleness counts from)
             published.insert(0, step)
             last = step
             publish_s = time.monotonic() - t0
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     stall += time.monotonic() - t0
                     pool.give(old)
             emit("published", version=step, stall_s=stall, publish_s=publish_s, step_began=step_began,
-                 step_ended=step_ended,
+                 step_ended=step_ended, published_at=published_at,
                  step_s=time.monotonic() - began, buffers=pool.allocated if pool else 0)
             rest = args.step_s - (time.monotonic() - began)
             if rest > 0:

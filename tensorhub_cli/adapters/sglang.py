@@ -27,12 +27,20 @@ Protocol of ``load(model, named_tensors)``:
    prefix of the endpoint's name ``PREFIX-HOST-PID`` (default ``sglang``: the TP ranks
    share the server's environment, the pid tells them apart); ``TH_GROUP`` (the
    instance's ranks resolve ``latest`` together, contract 2; default none);
-   ``TH_ENGINE`` (nixl or tcp); ``TH_FETCH_TIMEOUT_S`` (default 600). It is a spot endpoint (``reliable=False``):
-   an inference server's copy does not count towards retention.
+   ``TH_ENGINE`` (nixl or tcp); ``TH_FETCH_TIMEOUT_S`` (default 600);
+   ``TH_DOUBLE_BUFFER`` (``1``: two staging sets, see 3; default ``0``). It is a spot
+   endpoint (``reliable=False``): an inference server's copy does not count towards
+   retention.
 3. The fetch: into a host-memory staging dict by HF names, made to measure at the
-   first load (``hf.allocate_global``: one tensor per name), then the same memory for every later version (the
-   endpoint unpublishes the previous version from it first, contract 3); until then
-   the staging copy is a replica other readers may read from.
+   first load (``hf.allocate_global``: one tensor per name). Until it is overwritten
+   the staging copy is a replica other readers may read from. By default every later
+   version lands in that same memory, so the endpoint unpublishes (drains) the
+   previous version the moment the next fetch starts (contract 3). With
+   ``TH_DOUBLE_BUFFER=1`` two sets alternate: version v+1 lands in the set v does not
+   occupy, so v stays published while v+1 is fetched and loaded, and is unpublished
+   (with its drain, and any retention copy the hub asks for first) only when v+2 needs
+   its set. Twice the staging memory, allocated once; the model's own weights change
+   only in step 4 either way. A version already in a set is not fetched again.
 4. ``model.load_weights(staging.items())``: SGLang's models take HF-named full tensors
    and do their own TP slicing and ``qkv_proj`` / ``gate_up_proj`` fusing, as vLLM's do,
    so each rank reads the whole version (the model's own layout is not TensorHub's to
@@ -54,7 +62,9 @@ from ..errors import BadArgument
 
 VERSION_KEY = "tensorhub.version"
 _lock = threading.Lock()
-_state: dict = {"ep": None, "staging": None}
+# staging: the set the model was last loaded from; sets: every staging set (1, or 2
+# double-buffered), held: version -> index of the set holding it
+_state: dict = {"ep": None, "staging": None, "sets": [], "held": {}}
 
 
 def _env(name: str, default: Optional[str] = None) -> str:
@@ -105,6 +115,13 @@ def _connect():
     return connect(hub=hub, token=token, **options)
 
 
+def _buffers() -> int:
+    text = _env("TH_DOUBLE_BUFFER", "0").strip().lower()
+    if text not in ("0", "1", "false", "true", "no", "yes"):
+        raise BadArgument(f"TH_DOUBLE_BUFFER must be 1 or 0, not {os.environ['TH_DOUBLE_BUFFER']!r}")
+    return 2 if text in ("1", "true", "yes") else 1
+
+
 def load(model, named_tensors) -> int:
     """SGLang's custom weight loader: fetch the TensorHub version the environment (or
     ``named_tensors``) names and hand it to ``model.load_weights`` by HF names."""
@@ -116,23 +133,34 @@ def load(model, named_tensors) -> int:
         timeout = float(_env("TH_FETCH_TIMEOUT_S", "600"))
     except ValueError:
         raise BadArgument(f"TH_FETCH_TIMEOUT_S must be seconds, not {os.environ['TH_FETCH_TIMEOUT_S']!r}") from None
+    buffers = _buffers()
     if not callable(getattr(model, "load_weights", None)):
         raise BadArgument(f"model: {type(model).__name__} has no load_weights(iterable of (name, tensor))")
     with _lock:  # one update at a time per process: they share the staging memory
         if _state["ep"] is None:
             _state["ep"] = _connect()
-        ep, staging = _state["ep"], _state["staging"]
-        if staging is None:
-            made: dict = {}
+        ep, sets, held = _state["ep"], _state["sets"], _state["held"]
+        current = next((i for i, s in enumerate(sets) if s is _state["staging"]), None)
+        chosen: dict = {}
 
-            def fresh(shards) -> dict:
-                made.update(allocate_global(shards))
-                return made
+        def target(shards) -> dict:
+            # Called only for a version no set holds: the set after the current one (the
+            # same one with a single set), made at its first use. The endpoint unpublishes
+            # what it held before a byte lands.
+            i = 0 if current is None else (current + 1) % buffers
+            if i == len(sets):
+                sets.append(allocate_global(shards))
+            chosen["i"] = i
+            return sets[i]
 
-            got = ep.fetch(model_name, version, into=fresh, group=ep.info.group, timeout=timeout)
-            _state["staging"] = staging = made
-        else:
-            got = ep.fetch(model_name, version, into=staging, group=ep.info.group, timeout=timeout)
+        got = ep.fetch(model_name, version, into=target, group=ep.info.group, timeout=timeout)
+        if "i" in chosen:  # the set's old version was unpublished before the fetch
+            for v in [v for v, i in held.items() if i == chosen["i"]]:
+                del held[v]
+            held[got] = chosen["i"]
+        # (else the endpoint returned at once: it holds `got` complete, in the set it was
+        # fetched into; an entry left by a failed fetch names a version it no longer holds)
+        _state["staging"] = staging = sets[held[got]]
         model.load_weights(iter(staging.items()))
         return got
 
@@ -141,7 +169,7 @@ def close(drain_timeout: float = 30.0) -> None:
     """Leave the cluster (at exit; tests call it): the staging copy is unpublished, with a
     drain of at most ``drain_timeout`` seconds."""
     with _lock:
-        ep, _state["ep"], _state["staging"] = _state["ep"], None, None
+        ep, _state["ep"], _state["staging"], _state["sets"], _state["held"] = _state["ep"], None, None, [], {}
     if ep is not None:
         ep.close(drain_timeout=drain_timeout)
 

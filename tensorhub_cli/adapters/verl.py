@@ -9,9 +9,11 @@ ranks ``is_master=`` (torch rank 0), and ``checkpoint_engine.engine_kwargs.tenso
 or ``hub`` + ``token_file``; ``model`` ("policy"), ``engine`` ("nixl"/"tcp"),
 ``device`` ("cpu"; "cuda" is the worker's current GPU), ``host`` (hub mode: the address
 we serve from, default $TH_HOST or 127.0.0.1), ``name``, ``group``, ``reliable``,
-``chunk_bytes``, and the seconds ``publish_timeout_s`` (60), ``drain_timeout_s`` (120),
-``receive_timeout_s`` (600). A bad option raises ``BadArgument`` naming it at
-construction; the hub is joined at the first send or receive.
+``chunk_bytes``, ``double_buffer`` (rollout side, default false: see
+``receive_weights``; the trainer always double-buffers), and the seconds
+``publish_timeout_s`` (60), ``drain_timeout_s`` (120), ``receive_timeout_s`` (600). A
+bad option raises ``BadArgument`` naming it at construction; the hub is joined at the
+first send or receive.
 
 - ``send_weights(weights, global_steps)`` (trainer): the master rank copies the
   (name, tensor) stream into one of TWO buffer sets and publishes it as version
@@ -25,15 +27,24 @@ construction; the hub is joined at the first send or receive.
   bytes raise ``EndpointError``. A lower step raises ``BadArgument``. Returns the
   metrics dict verl merges into the trainer's (``checkpoint_engine/*``).
 - ``receive_weights(global_steps)`` (rollout): fetches that version (None: ``latest``),
-  waiting up to ``receive_timeout_s`` (then ``VersionTimeout``), into one staging set
+  waiting up to ``receive_timeout_s`` (then ``VersionTimeout``), into a staging set
   kept across steps, then yields (name, tensor) views of it. Those tensors are now
   published (this rollout serves them to others): the consumer copies them and must
-  not change them. ``last_receive`` holds the endpoint's fetch stages (``last_fetch``).
+  not change them. By default there is one staging set, so the endpoint unpublishes
+  (drains) version v the moment the fetch of v+1 starts writing over it. With
+  ``double_buffer`` two sets alternate: v+1 lands in the set v does not occupy, so v
+  stays published (joiners read it from rollouts, not the trainer) while v+1 is
+  fetched and loaded, and goes only when v+2 needs its set; at most two versions held,
+  2x the model in staging. A version still held is yielded again without a fetch. A
+  set is made at its first use and made again only when the tensors' names, shapes or
+  dtypes change, after unpublishing what it held. ``last_receive`` holds the
+  endpoint's fetch stages (``last_fetch``).
 - ``prepare``/``build_topology``/``init_process_group``: TensorHub needs no process
   group (readers find holders through the hub), so they return ``{}``/``({}, {})``
   and do nothing.
 - ``finalize`` (after every sync) frees nothing: the published buffers are the source
-  other rollouts read. A trainer set is reused two steps later; every buffer goes at
+  other rollouts read. A set is reused by a later step (trainer: two steps later;
+  rollout: the next step, or two later with ``double_buffer``); every buffer goes at
   ``close()`` (which drains readers first) or at process exit.
 
 Importing this module without verl raises ``ImportError`` naming how to install it.
@@ -102,7 +113,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                  node: Optional[str] = None, engine: Optional[str] = None, device: str = "cpu",
                  host: Optional[str] = None, name: Optional[str] = None, group: Optional[str] = None,
                  reliable: Optional[bool] = None, chunk_bytes: Optional[int] = None,
-                 publish_timeout_s: float = 60.0, drain_timeout_s: float = 120.0,
+                 double_buffer: bool = False, publish_timeout_s: float = 60.0, drain_timeout_s: float = 120.0,
                  receive_timeout_s: float = 600.0):
         # bucket_size is verl's transfer bucket: TensorHub cuts its own chunks (chunk_bytes).
         if (cluster is None) == (hub is None):
@@ -113,6 +124,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             raise BadArgument(f"{_WHERE}.engine takes 'nixl' or 'tcp', not {engine!r}")
         if reliable not in (None, True, False):
             raise BadArgument(f"{_WHERE}.reliable takes true or false, not {reliable!r}")
+        if not isinstance(double_buffer, bool):  # (not `in (True, False)`: 1 == True, and "yes" is no bool)
+            raise BadArgument(f"{_WHERE}.double_buffer takes true or false, not {double_buffer!r}")
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self.model = check_model(model, f"{_WHERE}.model")
         self.device = _device(device)
@@ -128,9 +141,12 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         weakref.finalize(self, _close, self._ep, self.timeouts["drain_timeout_s"])
         self._sets = (_Set(), _Set())
         self._next = 0  # the set the next send writes; the other holds the newest version
-        self._staging: dict = {}
-        self._staged = 0  # bumped per staging set made (not id(): a freed dict's id comes back)
-        self._received: Optional[tuple[int, int]] = None  # (version, the staging set that holds it)
+        # The rollout's staging sets (1, or 2 with double_buffer), made at first use; which
+        # set holds which version we hold; the set the last receive yielded from.
+        self._staging: list[dict] = []
+        self._buffers = 2 if double_buffer else 1
+        self._held: dict[int, int] = {}
+        self._current: Optional[int] = None
         self.last_send: dict = {}
         self.last_receive: dict = {}
 
@@ -250,22 +266,44 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             raise BadArgument(f"global_steps takes an int >= 0 (the version to fetch) or None, not {global_steps!r}")
         ep = await self._endpoint("rollout")
         want = "latest" if global_steps is None else global_steps
-        version = await asyncio.to_thread(ep.fetch, self.model, want, into=self._destination,
-                                          timeout=self.timeouts["receive_timeout_s"], group=self._options["group"])
-        before, self._received = self._received, (version, self._staged)
-        if before is not None and before[0] != version and before[1] != self._staged:
-            # (new staging memory: the fetch did not drain the old one for us)
-            await asyncio.to_thread(ep.unpublish, self.model, before[0], timeout=self.timeouts["drain_timeout_s"])
+        chosen: dict = {}
+        try:
+            version = await asyncio.to_thread(ep.fetch, self.model, want,
+                                              into=lambda shards: self._destination(ep, shards, chosen),
+                                              timeout=self.timeouts["receive_timeout_s"], group=self._options["group"])
+        except BaseException:
+            if "i" in chosen:  # the fetch may have unpublished the set's version before failing
+                kept = {(h.model, h.version) for h in ep.holdings()}
+                self._held = {v: i for v, i in self._held.items() if i != chosen["i"] or (self.model, v) in kept}
+            raise
+        if "i" in chosen:  # the set's old version was unpublished before a byte landed
+            self._held = {v: i for v, i in self._held.items() if i != chosen["i"]}
+            self._held[version] = chosen["i"]
+        elif version not in self._held:  # (the endpoint returned at once: it holds `version`, in one of our sets)
+            raise EndpointError(f"{self.model}@{version} is held by the endpoint but in no staging set of ours")
+        self._current = self._held[version]
         self.last_receive = {"version": version, **ep.last_fetch}
-        for name, tensor in self._staging.items():
+        for name, tensor in self._staging[self._current].items():
             yield name, tensor
 
-    def _destination(self, shards) -> dict:
-        """The kept staging set if it fits the version's tensors, else a new one."""
+    def _destination(self, ep, shards, chosen: dict) -> dict:
+        """Where a version no set holds lands: the set after the current one (the same one
+        with a single set), made to measure at its first use or when the tensors changed.
+        Memory reused is drained by the endpoint (its old version is unpublished before a
+        byte lands); memory replaced is drained here first, so two sets at most exist."""
+        i = 0 if self._current is None else (self._current + 1) % self._buffers
         want = {k: (t.shape, t.dtype) for k, t in allocate(shards, device="meta").items()}
-        if {k: (t.shape, t.dtype) for k, t in self._staging.items()} != want:
-            self._staging, self._staged = allocate(shards, device=str(self.device)), self._staged + 1
-        return self._staging
+        if i < len(self._staging) and {k: (t.shape, t.dtype) for k, t in self._staging[i].items()} != want:
+            for v in sorted(v for v, j in self._held.items() if j == i):
+                ep.unpublish(self.model, v, timeout=self.timeouts["drain_timeout_s"])
+                del self._held[v]
+            self._staging[i] = {}  # (frees the old memory before the new is made)
+        if i == len(self._staging):
+            self._staging.append({})
+        if not self._staging[i]:
+            self._staging[i] = allocate(shards, device=str(self.device))
+        chosen["i"] = i
+        return self._staging[i]
 
     # --- the endpoint -----------------------------------------------------------------
 

@@ -18,7 +18,11 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
   The staging copy stays published: it is the holder a second engine reads from. The
   previous version's staging is unpublished only after the new one loaded, so a failed
   update leaves the previous weights serving and the previous staging published; errors
-  raise (the orchestrator keeps inference paused).
+  raise (the orchestrator keeps inference paused). This is already the double-buffered
+  update (issue 20): v stays published, a holder for joiners, while v+1 is fetched into
+  its own staging; its unpublish comes after the load and returns once its readers
+  drained and any retention copy the hub asked for exists (contract 4). No option
+  needed: two staging copies at the peak of an update, one between updates.
 - ``start_weight_update`` / ``finish_weight_update``: the pause around the update;
   ``metrics`` (last update) holds the fetch's stages from ``last_fetch`` plus ``load_s``
   and ``pause_s``; finish logs it.

@@ -63,6 +63,7 @@ def bench_hub(as_json: bool = JsonOpt,
               tensors: int = typer.Option(1000, min=1, metavar="N", help="tensors per manifest"),
               chunk_mb: int = typer.Option(64, min=1, metavar="MIB", help="chunk size in MiB"),
               depth: int = typer.Option(64, min=1, metavar="N", help="requests in flight in the throughput phase"),
+              window: int = typer.Option(32, min=1, metavar="N", help="reads each simulated reader asks for per plan"),
               planner: str = typer.Option("ros", metavar="ros|star",
                                           help="ros, or star (the all-from-publisher baseline)"),
               timeout: float = TimeoutOpt,
@@ -77,7 +78,7 @@ def bench_hub(as_json: bool = JsonOpt,
         step(f"bench hub: {endpoints} endpoints, {tensors}-tensor manifests, hub pinned to one core …", err)
     try:
         result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth,
-                               planner=planner, timeout_s=timeout, profile=profile)
+                               planner=planner, timeout_s=timeout, profile=profile, window=window)
     except hub_bench.BenchError as exc:
         fail(f"th bench hub: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))
@@ -118,31 +119,42 @@ def bench_p2p(as_json: bool = JsonOpt,
 def bench_fanout(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
                  mib: float = typer.Option(128, min=0.001, metavar="MIB", help="payload MiB"),
                  readers: Optional[str] = typer.Option(None, metavar="N,N,...", help="reader counts, a comma list "
-                                                       "(default 1,2,4,8; 1,3,7 with --testbed)"),
+                                                       "(default 1,2,4,8; 1,3,7 with --testbed, which carries 15 "
+                                                       "at most)"),
                  window: Optional[int] = typer.Option(None, min=1, metavar="N", help="reads in flight per reader "
                                                       "(default 2; 4 with --testbed)"),
+                 chunk_mib: Optional[float] = typer.Option(None, "--chunk-mib", min=0.0625, metavar="MIB",
+                                                           help="the publisher's chunk size (default 8; 4 with "
+                                                           "--testbed)"),
                  engine: str = EngineOpt,
-                 testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds "
-                                              "and removes (root)"),
+                 testbed: bool = typer.Option(False, "--testbed", help="on a namespace testbed of max(N)+1 nodes "
+                                              "in 2 racks it builds and removes (root)"),
                  node_gbps: Optional[float] = typer.Option(None, min=0.001, metavar="GBPS",
                                                            help="--testbed: node link rate, Gbit/s (default: "
-                                                           "scripts/testbed's)")) -> None:
-    """One publisher, N readers fetching the same version at once: ours vs trainer-star."""
+                                                           "scripts/testbed's)"),
+                 warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                             help="every reader fetches one untimed version (and each broadcast "
+                                             "group broadcasts once) before the timed rows")) -> None:
+    """One publisher, N readers fetching the same version at once: ours vs trainer-star vs a gloo broadcast."""
     _check_engine("fanout", engine)
     # Checked before anything starts: inside the try below, typer.Exit (a RuntimeError) would turn into exit 1.
     counts = _reader_counts(readers or ("1,3,7" if testbed else "1,2,4,8"))
     from . import fanout
     from .rig import RigError
 
+    if testbed and counts[-1] > fanout.MAX_TESTBED_READERS:
+        fail(f"th bench fanout: --readers: the testbed carries {fanout.MAX_TESTBED_READERS} readers at most, "
+             f"got {counts[-1]}", 2)
     if not as_json:
-        where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
-        step(f"bench fanout: starting processes on {where} …", err)
+        where = f"a {counts[-1] + 1}-node testbed (built now, removed after)" if testbed else "loopback"
+        step(f"bench fanout: starting processes on {where}: ours, star, then gloo broadcast …", err)
     try:
         if testbed:
-            result = fanout.run_testbed(counts, mib=mib, window=4 if window is None else window, engine=engine,
-                                        node_gbps=node_gbps)
+            result = fanout.run_testbed(counts, mib=mib, chunk_mib=chunk_mib or 4, window=window or 4, engine=engine,
+                                        node_gbps=node_gbps, warmup=warmup)
         else:
-            result = fanout.run(counts, mib=mib, window=2 if window is None else window, engine=engine)
+            result = fanout.run(counts, mib=mib, chunk_mib=chunk_mib or 8, window=window or 2, engine=engine,
+                                warmup=warmup)
     except (RigError, RuntimeError, ValueError) as exc:
         fail(f"th bench fanout: {exc}", 1)
     _show_bench("fanout", result, as_json, plot)
@@ -200,7 +212,11 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
                                           help="the trainer's pace, seconds per step at least"),
              engine: str = EngineOpt, timeout: float = TimeoutOpt,
              testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
-                                          "removes (root)")) -> None:
+                                          "removes (root)"),
+             double_buffer: bool = typer.Option(True, "--double-buffer/--in-place",
+                                                help="ours: rollouts fetch the next version into a second copy "
+                                                "while generating, then swap (default), or in place like the "
+                                                "baseline's")) -> None:
     """An RL workload (trainer + rollouts), ours then its baseline, in one run."""
     from . import rl
     from .rig import RigError
@@ -217,7 +233,7 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
         where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
         step(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", err)
     knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
-                     timeout_s=timeout)
+                     timeout_s=timeout, double_buffer=double_buffer)
     try:
         result = rl.run(workload, knobs, on_testbed=testbed)
     except (RigError, RuntimeError, OSError, ValueError) as exc:
@@ -246,6 +262,40 @@ def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: 
     except (RigError, RuntimeError, OSError, ValueError) as exc:
         fail(f"th bench rl: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))
+
+
+@bench.command("sim")
+def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
+              gpus: Optional[int] = typer.Option(None, min=2, max=65536, metavar="N",
+                                                 help="GPUs in all (default: the params' cluster.gpus, 1,024)"),
+              params: Optional[Path] = typer.Option(None, "--params", metavar="FILE",
+                                                    help="simulator parameters, YAML (defaults: specs/sim.yaml)"),
+              profile: Optional[Path] = typer.Option(None, metavar="FILE", help="write a cProfile of the run")) -> None:
+    """Flow-level simulation driven by the real hub: standalone, elastic and cross-DC vs their baselines at
+    cluster scale, calibrated against docs/measurements (--plot: scale curves to 4,096 GPUs, minutes)."""
+    from ..sim.params import ParamsError, load
+    from . import sim as sim_bench
+
+    try:
+        p = load(params)
+    except ParamsError as exc:
+        fail("th bench sim: " + "; ".join(exc.lines), 2)
+    if not as_json:
+        step(f"bench sim: {gpus or p.cluster.gpus} GPUs, real hub on a simulated core"
+             f"{', then scale curves' if plot else ''} …", err)
+    try:
+        result = sim_bench.run(gpus=gpus, params_file=params, curves=plot is not None, profile=profile)
+    except (ValueError, RuntimeError) as exc:  # (SimStuck is a RuntimeError)
+        fail(f"th bench sim: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+    if plot is not None:
+        from ..ui.plot import PlotUnavailable
+
+        try:
+            sim_bench.plot(result, plot)
+        except PlotUnavailable as exc:
+            fail(f"th bench sim: {exc}", 1)
+        err.print(f"wrote {plot}", highlight=False)
 
 
 def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:

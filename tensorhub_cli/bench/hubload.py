@@ -7,9 +7,10 @@ Phases, each a real exchange with the hub, nothing skipped or faked:
 1. ``register``: every endpoint registers (timed: registrations per second).
 2. ``throughput``: the trainer publishes v1, a manifest of ``tensors`` tensors cut
    into ``chunk_mb`` chunks. Every other endpoint resolves ``latest`` and runs the
-   fetch loop (plan → progress → plan …) until it holds every chunk, so each becomes
-   a holder other readers are planned onto. Up to ``depth`` requests are in flight,
-   and every endpoint heartbeats every ``heartbeat_s``. ``ops_per_s`` = replies / s.
+   fetch loop (plan for ``window`` reads → progress → plan …) until it holds every
+   chunk, so each becomes a holder other readers are planned onto. Up to ``depth``
+   requests are in flight, and every endpoint heartbeats every ``heartbeat_s``.
+   ``ops_per_s`` = replies / s.
 3. ``latency``: the trainer publishes v2 and the same wave runs with one request in
    flight, so a plan's round trip is its service time plus one loopback hop, not
    queueing behind other requests. Every endpoint now holds the whole of v1.
@@ -124,7 +125,8 @@ class Wave:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout_s: float) -> tuple[Wave, float]:
+def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout_s: float,
+             window: int = 32) -> tuple[Wave, float]:
     wave = Wave()
     readers = {n: Reader(n) for n in names[1:]}
     ready = deque(readers.values())
@@ -153,7 +155,7 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
             if r.step == "resolve":
                 op: p.Op = p.Resolve(name=r.name, model=MODEL)
             elif r.step == "plan":
-                op = p.Plan(name=r.name, model=MODEL, version=r.version, window=32)
+                op = p.Plan(name=r.name, model=MODEL, version=r.version, window=window)
             else:
                 op = p.Progress(name=r.name, model=MODEL, version=r.version, chunks=r.report)
             inflight[hub.send(op)] = (r, r.step, time.perf_counter())
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--window", type=int, default=32, help="reads a reader asks for per plan")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -228,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         rids.discard(reply.rid)
     register_s = time.monotonic() - t0
 
-    result: dict = {"endpoints": args.endpoints, "tensors": args.tensors}
+    result: dict = {"endpoints": args.endpoints, "tensors": args.tensors, "window": args.window}
     for number, phase, depth in ((1, "throughput", args.depth), (2, "latency", 1)):
         m = manifest(args.tensors, args.chunk_mb, rng)
         hub.call(p.Publish(name=names[0], model=MODEL, version=number, manifest=m))
         c0 = cpu_seconds(args.hub_pid)
-        wave, elapsed = run_wave(hub, names, depth, args.heartbeat_s, args.timeout_s)
+        wave, elapsed = run_wave(hub, names, depth, args.heartbeat_s, args.timeout_s, args.window)
         hub_cpu = cpu_seconds(args.hub_pid) - c0
         result[phase] = {
             "depth": depth, "chunks": len(m.chunks), "seconds": round(elapsed, 3), "replies": wave.replies,

@@ -5,15 +5,23 @@ loopback, reads the events they print (one JSON line each), asks the hub for its
 counters, and stops every process by PID, also on failure. The same model, steps and
 pacing run in both arms; only what the workload's baseline changes differs.
 
-- ``standalone``: every rollout fetches every version. Baseline: a veRL-style global
-  sync stage: the star planner (every byte from the trainer), the trainer waits until
-  every rollout holds the version, and each rollout waits for all the others.
+Ours runs double-buffered rollouts (``--double-buffer``: the next version is fetched
+into a second copy while the current one generates and stays published; the swap is
+the only pause) unless ``Knobs.double_buffer`` is off; every baseline runs in-place
+rollouts, as veRL does.
+
+- ``standalone``: every rollout fetches the newest version. Baseline: a veRL-style
+  global sync stage: the star planner (every byte from the trainer), the trainer waits
+  until every rollout holds the version, and each rollout waits for all the others.
 - ``elastic``: two reliable rollouts run throughout; spot rollouts join one at a time,
   once the standing ones hold version 1 (then 2), and the first joiner leaves again. Baseline: the star
   planner, so joiners pull from the trainer only. ``joiners_join_from_trainer_bytes``
   is what joiners' first fetches of an already replicated version read from the
   trainer (its send counter for joiners; ``joins_replicated`` of ``joins`` qualified);
   ``joiners_from_trainer_bytes`` counts all their reads of it, new versions included.
+  (In-place standing rollouts unpublish v the moment they fetch v+1: a joiner still
+  reading v then reads the rest of it from the trainer. Double-buffered ones keep v
+  published until v+2 needs its buffer.)
 - ``cross-dc``: trainer and one rollout in dc1, three rollouts in dc2. Baseline: the
   star planner, so every remote rollout pulls across the DC link.
 
@@ -24,9 +32,18 @@ its node): trainer on n1, rollouts spread over racks, or for cross-dc one rollou
 the trainer's DC and the rest in the other.
 
 Reported per arm: ``rollout_stall_s`` (sum over rollouts of the time a new version kept
-them from generating), ``trainer_stall_s`` (sum over steps of time spent on weight
-movement), ``bytes_by_level``, ``versions_loaded``, ``probe_mismatches``; and
-``stall_ratio`` = baseline rollout stall ÷ ours.
+them from generating: double-buffered, the first fetch and then the swaps),
+``fetch_s`` (sum of fetch + check, in the background when double-buffered),
+``trainer_stall_s`` (sum over steps of time spent on weight movement), ``bytes_by_level``,
+``versions_loaded`` and ``loaded_versions`` (per rollout, which), ``tokens`` generated
+and ``tokens_per_gen_s`` (over the generation windows: what a background fetch costs
+generation on a shared CPU shows there),
+``mean_staleness`` / ``max_staleness`` (per generation window, weighted by its rounds:
+the trainer's newest version published when the window began minus the version it
+generated with), ``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout
+stall ÷ ours, and beside it ``versions_skipped``: versions the baseline's rollouts
+loaded that ours (the rollout of the same name) passed over, between its first and
+last load; ours trades those, and staleness, for stall.
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ class Knobs:
     rollout_s: float = 0.3
     engine: str = "nixl"
     chunk_mb: float = 4.0
+    double_buffer: bool = True  # ours: double-buffered rollouts (the baselines are in-place)
     timeout_s: float = 600.0
 
     def model_args(self) -> list[str]:
@@ -199,7 +217,7 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
              prefix=site.prefix(layout.trainer)) as (address, _):
         common = ["--hub", address, "--token-file", str(token_file), "--engine", k.engine, *k.model_args()]
         roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps),
-                "--duration-s", str(k.timeout_s)]
+                "--duration-s", str(k.timeout_s), *(["--double-buffer"] if k.double_buffer and not baseline else [])]
         runners: list[Runner] = []
 
         def start(name, module, node, *args) -> Runner:
@@ -245,9 +263,12 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
     rollouts = [r for r in runners if r is not trainer]
     loaded = [e for r in rollouts for e in r.of("loaded")]
     version_bytes = max((e["bytes"] for e in loaded), default=0)
+    mean_stale, max_stale = _staleness(rollouts, trainer)
     return {
         "planner": planner,
+        "rollouts": "double-buffered" if k.double_buffer and not baseline else "in-place",
         "rollout_stall_s": round(sum(e["stall_s"] for e in loaded), 4),
+        "fetch_s": round(sum(e.get("fetch_s", e["stall_s"]) for e in loaded), 4),
         "trainer_stall_s": round(sum(e["stall_s"] for e in trainer.of("published")), 4),
         "bytes_by_level": {lv: int(counters.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS},
         "version_bytes": version_bytes,
@@ -263,10 +284,47 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
         "stall_by_version": {str(v): round(sum(e["stall_s"] for e in loaded if e["version"] == v), 4)
                              for v in sorted({e["version"] for e in loaded})},
         "versions_loaded": len(loaded),
-        "max_staleness": max((e["staleness"] for e in loaded), default=0),
+        "loaded_versions": {r.name: [e["version"] for e in r.of("loaded")] for r in rollouts},
+        "tokens": sum(e["tokens"] for r in rollouts for e in r.of("generated")),
+        "tokens_per_gen_s": _rate(rollouts),
+        "mean_staleness": mean_stale,
+        "max_staleness": max_stale,
         "probe_mismatches": sum(len(r.of("mismatch")) for r in rollouts),
         "retries": sum(len(r.of("retry")) for r in rollouts),
     }
+
+
+def _staleness(rollouts: list[Runner], trainer: Runner) -> tuple[float | None, int]:
+    """(mean, max) over generation windows, the mean weighted by each window's rounds:
+    the newest version the trainer had published when the window began, minus the
+    version the window generated with."""
+    published = [(e["published_at"], e["version"]) for e in trainer.of("published")]
+    total = rounds = worst = 0
+    for e in (e for r in rollouts for e in r.of("generated") if e["rounds"]):
+        newest = max((v for t, v in published if t <= e["began"]), default=0)
+        stale = max(0, newest - e["version"])
+        total += stale * e["rounds"]
+        rounds += e["rounds"]
+        worst = max(worst, stale)
+    return (round(total / rounds, 3) if rounds else None), worst
+
+
+def _rate(rollouts: list[Runner]) -> float | None:
+    """Tokens per second of generation window, over every rollout's windows."""
+    windows = [e for r in rollouts for e in r.of("generated")]
+    seconds = sum(e["t"] - e["began"] for e in windows)
+    return round(sum(e["tokens"] for e in windows) / seconds, 2) if seconds > 0 else None
+
+
+def _skipped(ours: dict, base: dict) -> int:
+    """Versions a baseline rollout loaded that ours of the same name passed over: newer
+    than its first load, older than its last. (A joiner that came in, or left, at
+    another version than its baseline twin skipped nothing it was there for.)"""
+    count = 0
+    for name, vs in base["loaded_versions"].items():
+        mine = ours["loaded_versions"].get(name, [])
+        count += sum(1 for v in set(vs) - set(mine) if mine and mine[0] < v < mine[-1])
+    return count
 
 
 def _joins(rollouts: list[Runner]) -> dict:
@@ -315,6 +373,9 @@ def run(workload: str, knobs: Knobs | None = None, on_testbed: bool = False) -> 
     return {
         "workload": workload, **where, "ours": ours, "baseline": base,
         "stall_ratio": round(base["rollout_stall_s"] / ours["rollout_stall_s"], 3) if ours["rollout_stall_s"] else None,
+        # (beside the stall ratio: what ours gave for it)
+        "versions_skipped": _skipped(ours, base),
+        "mean_staleness": {"ours": ours["mean_staleness"], "baseline": base["mean_staleness"]},
         "trainer_stall_ratio": round(base["trainer_stall_s"] / ours["trainer_stall_s"], 3)
         if ours["trainer_stall_s"] else None,
         "probe_mismatches": ours["probe_mismatches"] + base["probe_mismatches"],

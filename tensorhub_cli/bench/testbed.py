@@ -9,10 +9,12 @@ address, rack and DC as its endpoint's place.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,17 +51,43 @@ def _script(*args: str, timeout: float) -> str:
     return done.stdout
 
 
+LOCK = Path("/run/tensorhub-testbed.lock")
+
+
 @contextlib.contextmanager
-def testbed(nodes: int, *flags: str, timeout: float = 300):
-    """``scripts/testbed up NODES FLAGS… --json`` → its state; ``down`` on the way out."""
+def _exclusive(wait_s: float):
+    """Hold the machine's testbed lock: one testbed exists at a time (its namespace
+    names are fixed), and ``down`` would tear down another run's nodes under it."""
+    with open(LOCK, "a+") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TestbedError(f"another testbed run held {LOCK} for {wait_s:.0f}s; "
+                                       "wait for it, or `scripts/testbed down` if it is gone") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def testbed(nodes: int, *flags: str, timeout: float = 300, wait_s: float = 1800):
+    """``scripts/testbed up NODES FLAGS… --json`` → its state; ``down`` on the way out.
+    Another run's testbed is waited for (up to ``wait_s``), never torn down."""
     why = unavailable()
     if why:
         raise TestbedError(why)
-    try:
-        state = json.loads(_script("up", str(nodes), *flags, "--json", timeout=timeout).splitlines()[-1])
-        yield state
-    finally:
-        _script("down", timeout=120)
+    with _exclusive(wait_s):
+        try:
+            state = json.loads(_script("up", str(nodes), *flags, "--json", timeout=timeout).splitlines()[-1])
+            yield state
+        finally:
+            _script("down", timeout=120)
 
 
 def enter(node: str) -> list[str]:

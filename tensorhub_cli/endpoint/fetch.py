@@ -24,7 +24,10 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
 3. Report verified and failed chunks with the next ``Plan`` (it carries the progress)
    once half the window has finished, and at most 50 ms after the first of them did.
    Done when every chunk is verified. Plans go out without blocking: one is in flight
-   at a time while reads go on, on the fetch's own hub socket.
+   at a time while reads go on, on the fetch's own hub socket. A plan that left window
+   slots free (sources capped, or sending the chunk to another reader) is followed by
+   another after 5 ms, doubling to 80 ms while plans grant nothing new
+   (``_refill_later``): sources free up long before our own reads end.
 
 The hub's errors end the fetch (``unavailable``, ``not_found``, ``draining``) with a
 ``FetchError``; a plan unanswered for ``plan_timeout`` is sent again (progress is
@@ -54,6 +57,10 @@ from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
 from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
+
+# Free window slots are asked for again after REFILL_MIN_S, doubling up to REFILL_MAX_S
+# while plans grant nothing new (``Fetch._refill_later``).
+REFILL_MIN_S, REFILL_MAX_S = 0.005, 0.08
 
 
 class Fetch:
@@ -85,6 +92,7 @@ class Fetch:
         self.publisher_read: dict[int, bool] = {}  # chunk -> its latest read is from a published shard
         self.starts = held.starts()
         self.backoff = 0.0
+        self.refill_s, self.refill_at = REFILL_MIN_S, 0.0  # asking again for free window slots
         self.warned: set[str] = set()
 
     # --- the loop --------------------------------------------------------------------
@@ -129,6 +137,8 @@ class Fetch:
             # keep flowing, and never sit on a result longer than report_s.
             if results and (2 * results >= self.window or now - self.first_result >= self.report_s or not busy):
                 plan_due = True
+            elif len(self.inflight) < self.window and now >= self.refill_at:
+                plan_due = True  # free slots in the window: a source may have freed up since
             if self.asked is None and plan_due and (results or len(self.inflight) < self.window):
                 self._ask()
                 plan_due = False
@@ -139,7 +149,9 @@ class Fetch:
                 if planned is not None:
                     if planned.complete:
                         return
+                    started = len(self.inflight)
                     self._start_planned(planned)
+                    self._refill_later(now, started)
                     if not planned.reads and not busy:
                         # Nothing to read yet (sources busy, a seed filling beyond a DC
                         # link): ask again soon, backing off to 50 ms.
@@ -158,6 +170,18 @@ class Fetch:
                 idle = min(idle * 1.5, 0.002)
             elif not self.asked:
                 plan_due = True
+
+    def _refill_later(self, now: float, started: int) -> None:
+        """When to ask again for the window's free slots without a result to report.
+        A plan that left slots free met busy sources (capped, or sending the chunk to
+        another reader); they free up before our own reads end, so we ask again soon,
+        backing off while plans keep granting nothing (the hub's load stays bounded:
+        at most one plan per ``REFILL_MAX_S`` per idle-slotted reader)."""
+        if len(self.inflight) > started:
+            self.refill_s = REFILL_MIN_S
+        else:
+            self.refill_s = min(REFILL_MAX_S, self.refill_s * 2)
+        self.refill_at = now + self.refill_s
 
     def _ask(self) -> None:
         h = self.held

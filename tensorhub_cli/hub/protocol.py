@@ -427,6 +427,23 @@ class Reply(Msg):
     body: Body
 
 
+class _ResolvedShards(Msg, tag="resolved"):
+    """``Resolved`` with its manifests already encoded: the same bytes on the wire (a
+    Struct encodes as a map of its fields in order; ``Raw`` is spliced in as it is)."""
+
+    model: str
+    version: int
+    world: int
+    shards: msgspec.Raw
+    round: int = 0
+
+
+class _ResolvedReply(msgspec.Struct):
+    v: int
+    rid: int
+    body: _ResolvedShards
+
+
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(Request)
 _rep_dec = msgspec.msgpack.Decoder(Reply)
@@ -434,6 +451,18 @@ _rep_dec = msgspec.msgpack.Decoder(Reply)
 
 def encode(msg: Request | Reply) -> bytes:
     return _req_enc.encode(msg)
+
+
+def encode_shards(shards: list[Manifest]) -> msgspec.Raw:
+    """A version's manifests encoded once, for every ``resolved_reply`` of it."""
+    return msgspec.Raw(_req_enc.encode(shards))
+
+
+def resolved_reply(rid: int, body: Resolved, shards: msgspec.Raw) -> bytes:
+    """``encode(Reply(v=PROTOCOL_VERSION, rid=rid, body=body))``, byte for byte, with
+    ``body.shards`` taken as ``shards`` (``encode_shards(body.shards)``) as it is."""
+    return _req_enc.encode(_ResolvedReply(v=PROTOCOL_VERSION, rid=rid, body=_ResolvedShards(
+        model=body.model, version=body.version, world=body.world, shards=shards, round=body.round)))
 
 
 def decode_request(frame: bytes) -> Request:

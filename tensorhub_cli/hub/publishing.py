@@ -63,7 +63,7 @@ def add_shard(hub: HubState, name: str, model: str, number: int, rank: int, worl
     if rep is not None and rep.rank != rank:
         raise HubFault("conflict", f"{name} already holds {model}@{number} as {'reader' if rep.rank < 0 else f'shard {rep.rank}'}")
     check_cover(model, number, world, {**v.shards, rank: manifest})
-    v.shards[rank], v.shard_digests[rank] = manifest, digest
+    v.set_shard(rank, manifest, digest)
     if rep is None:
         rep = v.replicas[name] = Replica(endpoint=name, rank=rank)
         v.publishers.add(name)
@@ -108,8 +108,8 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
     if v is None:
         v = versions[h.version] = Version(model=h.model, number=h.version, world=h.world)
     for rank, m in enumerate(h.shards):  # a reader knows every shard, even those whose publisher is gone
-        v.shards.setdefault(rank, m)
-        v.shard_digests.setdefault(rank, digests[rank])
+        if rank not in v.shards:
+            v.set_shard(rank, m, digests[rank])
     assemble(hub, v)
     v.ever_ready = True  # readers only ever read READY versions: a gap now means UNAVAILABLE
     held = 0
@@ -117,8 +117,8 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
         if 0 <= c < v.nchunks:
             held |= 1 << c
     rep = v.replicas.setdefault(name, Replica(endpoint=name))
+    v.respread(held & ~rep.held, hub.endpoints[name].place.dc)
     rep.held |= held
-    v.respread(held, hub.endpoints[name].place.dc)
     if held:
         index(hub, v, name)
     for r in h.reading:

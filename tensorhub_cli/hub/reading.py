@@ -63,7 +63,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
             Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls,
                    v.layouts.get(op.layout, {}) if op.layout else {}),
             Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
-                    v.serving, v.spread),
+                    v.serving, v.spread, v.sending),
             Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
             hub.asking,
         )
@@ -153,11 +153,12 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
         raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
     if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
         rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
+        before = rep.held
         for c in op.chunks:
             rep.held |= 1 << c
             hub.unpin(v, op.name, c)
         if rep.rank < 0:
-            v.respread(rep.held, hub.endpoints[op.name].place.dc)
+            v.respread(rep.held & ~before, hub.endpoints[op.name].place.dc)
         if rep.held == v.full:
             hub.asking.done(op.name)
         index(hub, v, op.name)

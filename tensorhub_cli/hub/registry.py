@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from . import protocol as p
 
 STAGING, READY, UNAVAILABLE = "STAGING", "READY", "UNAVAILABLE"
@@ -63,6 +65,9 @@ class Version:
     reads: dict[str, dict[int, str]] = field(default_factory=dict)
     pins: dict[str, int] = field(default_factory=dict)
     serving: dict[str, dict[int, int]] = field(default_factory=dict)  # source -> {chunk: readers}
+    # ``serving`` as bitsets (source -> chunks it is sending), kept with it by pin and
+    # unpin so a plan reads a source's mask instead of building it per candidate.
+    sending: dict[str, int] = field(default_factory=dict)
     quiet: set[tuple[str, int]] = field(default_factory=set)  # (reader, chunk) pins not in ``serving``
     seeds: dict[str, str] = field(default_factory=dict)  # dc -> the reader pulling across the DC link
     pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
@@ -71,21 +76,34 @@ class Version:
     # Replicas holding anything, by topology group (node, rack, DC), kept by the hub so a
     # plan walks the holders near its reader instead of every endpoint there.
     near: dict[tuple, set[str]] = field(default_factory=dict)
-    # Per DC, the chunks its readers (not publishers) hold and may serve: a publisher
-    # need not send these into that DC again. Filled by the hub on demand; dropped
-    # whole when a reader loses chunks (``respread``), grown in place when one gains.
-    spread: dict[str, int] = field(default_factory=dict)
+    # Per DC, the chunks its readers (not publishers) hold and may serve, and those two
+    # or more of them hold (``planner.copies``): a publisher need not send these into
+    # that DC again. Filled by the planner on demand; dropped whole when a reader loses
+    # chunks (``respread``), grown in place when one gains.
+    spread: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Holders per layout (contract 9): layout id -> reader -> the chunks it holds only
     # the tiles of, which serve readers of that layout alone (they need exactly those
     # tiles). Not holdings: never counted for coverage, retention or ``spread``.
     layouts: dict[str, dict[str, int]] = field(default_factory=dict)
+    # ``manifests()`` encoded, as every ``Resolved`` reply carries them, cached by the
+    # service (a large model's take milliseconds to encode). Valid while ``shards`` are:
+    # they never change once assembled (an equal manifest may replace one; ``set_shard``
+    # drops the cache all the same), and a version published again under its number
+    # is another ``Version``.
+    encoded: msgspec.Raw | None = None
+
+    def set_shard(self, rank: int, manifest: p.Manifest, digest: int) -> None:
+        self.shards[rank], self.shard_digests[rank] = manifest, digest
+        self.encoded = None
 
     def respread(self, gained: int = -1, dc: str | None = None) -> None:
-        """A reader in ``dc`` gained ``gained`` (cheap), or one lost chunks (-1)."""
+        """A reader in ``dc`` gained the chunks ``gained``, none of which it held
+        before (cheap), or one lost chunks (-1)."""
         if gained < 0:
             self.spread.clear()
         elif dc in self.spread:
-            self.spread[dc] |= gained
+            once, twice = self.spread[dc]
+            self.spread[dc] = (once | gained, twice | once & gained)
 
     @property
     def assembled(self) -> bool:
@@ -150,7 +168,9 @@ class Version:
             self.quiet.add((reader, chunk))
             return
         chunks = self.serving.setdefault(source, {})
-        chunks[chunk] = chunks.get(chunk, 0) + 1
+        n = chunks[chunk] = chunks.get(chunk, 0) + 1
+        if n == 1:
+            self.sending[source] = self.sending.get(source, 0) | 1 << chunk
 
     def unpin(self, reader: str, chunk: int) -> str | None:
         reads = self.reads.get(reader)
@@ -172,8 +192,10 @@ class Version:
             chunks[chunk] -= 1
         else:
             del chunks[chunk]
-            if not chunks:
-                del self.serving[source]
+            if chunks:
+                self.sending[source] &= ~(1 << chunk)
+            else:
+                del self.serving[source], self.sending[source]
         return source
 
     def held_bytes(self, held: int) -> int:

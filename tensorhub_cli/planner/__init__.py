@@ -12,9 +12,9 @@ Nothing here touches sockets or the hub's classes: the hub passes its tables in.
 from .candidates import Limits, Reader, Sources, Walk
 from .choose import Candidate, PlanResult, choose, first_bit
 from .fairness import Asking, room
-from .rules import full_held, may_cross, serving_mask, spread
+from .rules import copies, full_held, may_cross, serving_mask, spread, withheld
 from .topology import LEVELS, REMOTE, Place, groups, join, leave, level_between
 
 __all__ = ["LEVELS", "REMOTE", "Asking", "Candidate", "Limits", "Place", "PlanResult", "Reader", "Sources",
-           "Walk", "choose", "first_bit", "full_held", "groups", "join", "leave", "level_between", "may_cross",
-           "room", "serving_mask", "spread"]
+           "Walk", "choose", "copies", "first_bit", "full_held", "groups", "join", "leave", "level_between", "may_cross",
+           "room", "serving_mask", "spread", "withheld"]

@@ -12,7 +12,8 @@ chunks already on their way to another reader). ``deferred`` adds the chunks of
 sources at their read cap in the reader's DC, which never go across a DC link.
 
 Pure: every table is the hub's, passed by reference and only read, except the
-fair-share log (``Asking.note``) and the per-DC ``spread`` cache, which it fills.
+fair-share log (``Asking.note``) and the per-DC ``spread`` cache (``rules.copies``),
+which it fills.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from typing import Collection, Iterator, Mapping, Protocol
 
 from .choose import Candidate
 from .fairness import UNCAPPED, Asking, room
-from .rules import Holding, full_held, serving_mask, spread
+from .rules import Holding, copies, full_held, serving_mask, withheld
 from .topology import Place, groups, level_between
+
+
+_NONE: frozenset[str] = frozenset()
 
 
 class Located(Protocol):
@@ -59,7 +63,10 @@ class Sources:
     load: Mapping[str, int]  # reads in flight per source, all versions
     full: set[str]  # sources at their read cap
     serving: Mapping[str, Mapping[int, int]]  # source -> {chunk: readers}
-    spread: dict[str, int]  # per-DC cache of ``rules.spread``
+    spread: dict[str, tuple[int, int]]  # per-DC cache of ``rules.copies``
+    # ``serving`` as bitsets (source -> chunks it is sending), if the caller keeps them
+    # (the hub does, in pin and unpin); else built from ``serving`` once per walk.
+    sending: Mapping[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +81,8 @@ class Walk:
     def __init__(self, reader: Reader, sources: Sources, limits: Limits, asking: Asking):
         self.reader, self.sources, self.limits, self.asking = reader, sources, limits, asking
         self.busy_held = 0  # needed chunks only busy holders have, filled level by level
+        self.sending = sources.sending if sources.sending is not None else {
+            name: serving_mask(chunks) for name, chunks in sources.serving.items()}
 
     def closed(self) -> Collection[str]:
         """Draining replicas take no new reads, except the retention copy of themselves."""
@@ -103,19 +112,25 @@ class Walk:
         # Holders come from the version's index; what is cut out as a cheaper level
         # comes from where endpoints are, which the index cannot get wrong. (Set
         # difference runs in C: a DC of holders costs microseconds, not a Python loop.)
-        # Full sources are skipped here; ``deferred`` accounts for their chunks.
-        inner: set[str] = set()
+        # Full sources are skipped here; ``deferred`` accounts for their chunks. A level's
+        # set is taken only once ``choose`` walks it (a generator's body runs on its
+        # first ``next``): ``choose`` often stops at a level's coverage check, and the
+        # last level's set difference is over every replica of the version.
+        inner: Collection[str] = _NONE
         for n, key in enumerate(keys):
-            yield n, self._gather(n, s.near_holders.get(key, set()) - inner - s.full)
-            inner = s.near_endpoints.get(key, set())
-        if may_cross:  # else ``choose`` stops before this level: skip the set difference
-            yield len(keys), self._gather(len(keys), s.replicas.keys() - inner - s.full)
+            yield n, self._gather(n, s.near_holders.get(key, _NONE), inner)
+            inner = s.near_endpoints.get(key, _NONE)
+        if may_cross:  # else ``choose`` stops before this level
+            yield len(keys), self._gather(len(keys), s.replicas.keys(), inner)
 
-    def _gather(self, n: int, names) -> Iterator[Candidate]:
-        """The eligible holders among ``names``, all at level n. (The hot loop of a
-        plan: locals bound first, cheapest tests first.)"""
+    def _gather(self, n: int, names, inner: Collection[str] | None = None) -> Iterator[Candidate]:
+        """The eligible holders among ``names`` (less ``inner`` and the full sources,
+        when ``inner`` is given), all at level n. (The hot loop of a plan: locals bound
+        first, cheapest tests first.)"""
         s, r, lim, asking = self.sources, self.reader, self.limits, self.asking
-        replicas, endpoints, load, serving = s.replicas, s.endpoints, s.load, s.serving
+        if inner is not None:
+            names = names - inner - s.full
+        replicas, endpoints, load, serving = s.replicas, s.endpoints, s.load, self.sending
         now, expiry, cap, star = lim.now, lim.expiry_s, lim.cap, lim.star
         me, here, needed, mine, avoid, extra = r.name, r.place, r.needed, r.mine, r.avoid, r.extra
         closed = self.closed()
@@ -139,13 +154,15 @@ class Walk:
                 continue
             publisher = rep.rank >= 0
             if publisher and not avoid:
-                # A publisher sends into a DC only chunks no reader there has yet:
-                # readers relay the rest (never fetched across a DC instead). A reader
-                # that met a bad holder may have any chunk from it again (contract 5).
+                # A publisher sends into a DC only chunks no reader there has yet, while
+                # it has such chunks (``rules.withheld``): readers relay the rest (never
+                # fetched across a DC instead). A reader that met a bad holder may have
+                # any chunk from it again (contract 5).
                 relayed = s.spread.get(here.dc)
                 if relayed is None:
-                    relayed = s.spread[here.dc] = spread(
+                    relayed = s.spread[here.dc] = copies(
                         s.near_holders.get(("dc", here.dc), ()), replicas, s.draining)
+                relayed = withheld(rep.held, *relayed, serving.get(name, 0))
                 self.busy_held |= held & relayed & needed
                 held &= ~relayed
                 if not held & needed:
@@ -154,9 +171,12 @@ class Walk:
             # thousands of relays) and they are where readers queue.
             others = asking.others(name, me, now) if publisher else 0
             own = mine.get(name, 0)
-            # ``room``'s uncapped case, tested here first: it is most candidates, and a
-            # call per candidate costs about 5 % of a plan.
-            slots = UNCAPPED if not others and busy <= own else room(cap, busy, own, others)
+            # ``room`` inline where no other reader asked (most candidates: a call per
+            # candidate costs about 5 % of a plan); capped only by reads not its own.
+            if not others:
+                slots = UNCAPPED if busy <= own else cap - busy
+            else:
+                slots = room(cap, busy, own, others)
             if slots <= 0:
                 self.busy_held |= held & needed
                 if publisher:
@@ -165,7 +185,7 @@ class Walk:
             # A chunk this source is already sending to another reader will be at that
             # reader soon: fetch it from there, so it leaves here once.
             if name in serving:
-                sending = serving_mask(serving[name])
+                sending = serving[name]
                 self.busy_held |= held & sending & needed
                 held &= ~sending
             if held & needed:

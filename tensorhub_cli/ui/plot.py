@@ -21,13 +21,14 @@ def _pyplot():
 
 
 def rl(result: dict, path: Path) -> None:
-    """Stall seconds (rollouts, trainer) and bytes per topology level: ours vs baseline."""
+    """Stall seconds (rollouts, trainer) and bytes per topology level: ours vs baseline;
+    the title puts what ours gave for its stall (versions skipped, staleness) beside it."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4), dpi=120)
     arms = ("ours", "baseline")
     for i, key in enumerate(("rollout_stall_s", "trainer_stall_s")):
         left.bar([x + i * 0.4 for x in range(2)], [result[a][key] for a in arms], 0.4,
-                 label=key.replace("_s", "").replace("_", " "))
+                 label=key.removesuffix("_s").replace("_", " "))
     left.set_xticks([0.2, 1.2], arms)
     left.set_ylabel("seconds (summed)")
     left.legend()
@@ -38,27 +39,34 @@ def rl(result: dict, path: Path) -> None:
     right.set_xticks([x + 0.2 for x in range(4)], levels)
     right.set_ylabel("MB planned")
     right.legend()
-    fig.suptitle(f"rl {result['workload']}: rollout stall ratio {result['stall_ratio']}")
+    stale = result.get("mean_staleness", {})
+    fig.suptitle(f"rl {result['workload']}: rollout stall ratio {result['stall_ratio']}, "
+                 f"versions ours skipped {result.get('versions_skipped', 0)}, mean staleness "
+                 f"ours {stale.get('ours')} / baseline {stale.get('baseline')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def fanout(result: dict, path: Path) -> None:
-    """Completion time vs readers: ours, star, and the S/B line when the rows carry it."""
+    """Completion time vs readers: ours, star, the gloo broadcast (rows that carry it),
+    and the S/B line when the rows carry it."""
     plt = _pyplot()
     rows = result["rows"]
     readers = [r["readers"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(readers, [r["ours_s"] for r in rows], "o-", label="ours (ROS: readers relay)")
     ax.plot(readers, [r["star_s"] for r in rows], "s--", label="star (all from the publisher)")
+    if "broadcast_s" in rows[0]:
+        ax.plot(readers, [r["broadcast_s"] for r in rows], "^-.", label="gloo broadcast (same bytes, same nodes)")
     if "bound_s" in rows[0]:
         ax.plot(readers, [r["bound_s"] for r in rows], ":", color="gray", label="S / node link rate")
     ax.set_xlabel("readers")
     ax.set_ylabel("seconds until every reader has the version")
     ax.set_xticks(readers)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"fan-out of {result['bytes'] / 2**20:.0f} MiB")
+    warm = " (warm)" if result.get("warmup") else ""
+    ax.set_title(f"fan-out of {result['bytes'] / 2**20:.0f} MiB{warm}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -132,13 +132,19 @@ def render_bench_hub(console: Console, r: dict) -> None:
 
 
 def render_bench_fanout(console: Console, r: dict) -> None:
-    """The fan-out rows as a table; with ``bound_s`` (testbed) also each time ÷ S/B."""
+    """The fan-out rows as a table, with the gloo broadcast where the rows carry it; with
+    ``bound_s`` (testbed) also each time ÷ S/B."""
     bounded = "bound_s" in r["rows"][0]
-    cols = ["readers", "ours s", "star s", "star ÷ ours"] + (["S/B s", "ours ÷ S/B", "star ÷ S/B"] if bounded else [])
-    t = Table(*cols, title=f"fan-out of {r['bytes'] / 2**20:.0f} MiB ({r['engine']}): targets "
+    bcast = "broadcast_s" in r["rows"][0]
+    cols = ["readers", "ours s", "star s"] + (["broadcast s"] if bcast else []) + ["star ÷ ours"] \
+        + (["broadcast ÷ ours"] if bcast else []) + (["S/B s", "ours ÷ S/B", "star ÷ S/B"] if bounded else [])
+    warm = ", warm" if r.get("warmup") else ""
+    t = Table(*cols, title=f"fan-out of {r['bytes'] / 2**20:.0f} MiB ({r['engine']}{warm}): targets "
               f"{'met' if r['target_met'] else 'missed'}", title_justify="left")
     for row in r["rows"]:
-        cells = [str(row["readers"]), f"{row['ours_s']:.2f}", f"{row['star_s']:.2f}", f"{row['star_vs_ours']:.2f}"]
+        cells = [str(row["readers"]), f"{row['ours_s']:.2f}", f"{row['star_s']:.2f}"]
+        cells += [f"{row['broadcast_s']:.2f}"] if bcast else []
+        cells += [f"{row['star_vs_ours']:.2f}"] + ([f"{row['broadcast_vs_ours']:.2f}"] if bcast else [])
         if bounded:
             cells += [f"{row['bound_s']:.2f}", f"{row['ours_vs_bound']:.2f}", f"{row['star_vs_bound']:.2f}"]
         t.add_row(*cells)
@@ -146,15 +152,19 @@ def render_bench_fanout(console: Console, r: dict) -> None:
 
 
 def render_bench_rl(console: Console, r: dict) -> None:
-    """Ours vs the workload's baseline, side by side, with bytes per topology level."""
-    t = Table("arm", "planner", "rollout stall s", "trainer stall s", "versions loaded", "node MB", "rack MB",
-              "dc MB", "remote MB", "joins ← trainer MB",
+    """Ours vs the workload's baseline, side by side, with bytes per topology level; the
+    stall ratio beside what ours gave for it (versions skipped, staleness)."""
+    t = Table("arm", "planner", "rollouts", "rollout stall s", "trainer stall s", "versions loaded",
+              "mean staleness", "node MB", "rack MB", "dc MB", "remote MB", "joins ← trainer MB",
               title=f"rl {r['workload']}: rollout stall ratio (baseline ÷ ours) {r['stall_ratio']}, "
-              f"probe mismatches {r['probe_mismatches']}", title_justify="left")
+              f"versions ours skipped {r.get('versions_skipped', 0)}, probe mismatches {r['probe_mismatches']}",
+              title_justify="left")
     for arm in ("ours", "baseline"):
         a = r[arm]
-        t.add_row(arm, a["planner"], f"{a['rollout_stall_s']:.2f}", f"{a['trainer_stall_s']:.2f}",
-                  str(a["versions_loaded"]), *(f"{a['bytes_by_level'][lv] / 1e6:.0f}" for lv in
-                                               ("node", "rack", "dc", "remote")),
+        stale = a.get("mean_staleness")
+        t.add_row(arm, a["planner"], a.get("rollouts", "in-place"), f"{a['rollout_stall_s']:.2f}",
+                  f"{a['trainer_stall_s']:.2f}", str(a["versions_loaded"]),
+                  "-" if stale is None else f"{stale:.2f}",
+                  *(f"{a['bytes_by_level'][lv] / 1e6:.0f}" for lv in ("node", "rack", "dc", "remote")),
                   f"{a['joiners_join_from_trainer_bytes'] / 1e6:.0f}")
     console.print(t)

@@ -30,10 +30,14 @@ def driver(role: str, hub: HubProcess, *extra: str) -> Driven:
                                    "--token-file", str(hub.token_file), *extra], cwd=str(REPO))
 
 
-def trainer_holds(client: HubClient) -> set[int]:
-    """The versions the hub lists the trainer endpoint as a holder of."""
+def holds(client: HubClient, prefix: str) -> set[int]:
+    """The versions the hub lists an endpoint named ``prefix...`` as a holder of."""
     return {v.version for v in client.call(p.Versions(model="policy")).versions
-            if any(h.name.startswith("verl-trainer-") for h in v.holders)}
+            if any(h.name.startswith(prefix) for h in v.holders)}
+
+
+def trainer_holds(client: HubClient) -> set[int]:
+    return holds(client, "verl-trainer-")
 
 
 def test_steps_move_bit_exact_through_two_alternating_buffer_sets(tmp_path):
@@ -87,6 +91,74 @@ def test_steps_move_bit_exact_through_two_alternating_buffer_sets(tmp_path):
             client.close()
 
 
+def test_double_buffered_rollout_keeps_the_previous_step_published_for_joiners():
+    pytest.importorskip("verl")
+    with HubProcess(expiry_s=2.0) as hub:
+        client = HubClient(hub.address, hub.token)
+        # (all three start now, in parallel; each is awaited at its first question)
+        trainer = driver("trainer", hub)
+        rollout = driver("rollout", hub, "--double-buffer", "--name", "rollout-db")
+        joiner = driver("rollout", hub, "--name", "joiner")
+        try:
+            trainer.ask("send", step=1, seed=1)
+            r1 = rollout.ask("receive", step=1, seed=1)
+            trainer.ask("send", step=2, seed=2)
+            r2 = rollout.ask("receive", step=2, seed=2)
+            assert r1["equal"] and r2["equal"] and set(r1["ptrs"]).isdisjoint(r2["ptrs"])
+            # Step 1 is still published by the rollout after it loaded step 2, so a joiner
+            # reads it from the rollout, none of it from the trainer (which holds it too:
+            # the hub retains the newest two versions, so step 3 makes it forget step 1).
+            assert holds(client, "rollout-db") == {1, 2}
+            j1 = joiner.ask("receive", step=1, seed=1)
+            assert j1["equal"] and j1["bytes"] > 0 and j1["from_publishers"] == 0, j1
+
+            trainer.ask("send", step=3, seed=3)
+            assert trainer_holds(client) == {2, 3}
+            # Step 3 lands in step 1's set: two sets, never more, holding exactly {2, 3}.
+            r3 = rollout.ask("receive", step=3, seed=3)
+            assert r3["equal"] and r3["ptrs"] == r1["ptrs"]
+            assert holds(client, "rollout-db") == {2, 3}
+            # A step still held is yielded again from its own set, without a fetch.
+            again = rollout.ask("receive", step=2, seed=2)
+            assert again["equal"] and again["ptrs"] == r2["ptrs"] and again["bytes"] == 0
+        finally:
+            for d in (trainer, rollout, joiner):
+                d.stop()
+            client.close()
+
+
+def test_a_rollout_set_is_made_again_when_shapes_change_never_a_third():
+    """In one process (both engines, no drivers): a step whose shapes changed drains the
+    version in the set it replaces, so the rollout endpoint never holds three."""
+    pytest.importorskip("verl")
+    import torch
+
+    from tensorhub_cli.adapters.verl import TensorHubCheckpointEngine
+
+    def weights(step: int, rows: int) -> dict:
+        return {"w": torch.full((rows, 64), float(step)), "b": torch.arange(7, dtype=torch.int32) + step}
+
+    async def sync(trainer, rollout, step: int, rows: int) -> dict:
+        await trainer.send_weights(iter(weights(step, rows).items()), global_steps=step)
+        return {k: t.clone() async for k, t in rollout.receive_weights(global_steps=step)}
+
+    with HubProcess(expiry_s=2.0) as hub:
+        kw = dict(hub=hub.address, token_file=str(hub.token_file), engine="tcp", receive_timeout_s=30)
+        trainer = TensorHubCheckpointEngine(bucket_size=1, is_master=True, **kw)
+        rollout = TensorHubCheckpointEngine(bucket_size=1, double_buffer=True, **kw)
+        try:
+            for step, rows in [(1, 10), (2, 10), (3, 20), (4, 20)]:
+                got = asyncio.run(sync(trainer, rollout, step, rows))
+                assert all(torch.equal(got[k], t) for k, t in weights(step, rows).items()), step
+                held = {h.version for h in rollout._ep[0].holdings()}
+                assert held == ({step - 1, step} if step > 1 else {1}), (step, held)
+                assert len(rollout._staging) == min(step, 2)
+            assert [s["w"].shape[0] for s in rollout._staging] == [20, 20]
+        finally:
+            rollout.close()
+            trainer.close()
+
+
 def test_other_trainer_ranks_consume_the_stream_and_publish_nothing(tmp_path):
     pytest.importorskip("verl")
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
@@ -121,7 +193,8 @@ def test_bad_engine_kwargs_name_the_field(tmp_path):
                           ({"hub": "tcp://h:1", "token_file": str(tmp_path / "none")}, ".token_file"),
                           ({**ok, "engine": "rdma"}, ".engine"), ({**ok, "model": "a b"}, ".model"),
                           ({**ok, "receive_timeout_s": 0}, ".receive_timeout_s"), ({**ok, "device": "tpu"}, ".device"),
-                          ({**ok, "device": "meta"}, ".device")]:
+                          ({**ok, "device": "meta"}, ".device"), ({**ok, "double_buffer": "yes"}, ".double_buffer"),
+                          ({**ok, "double_buffer": 1}, ".double_buffer")]:
         with pytest.raises(BadArgument, match=field.replace(".", r"\.")):
             TensorHubCheckpointEngine(bucket_size=1, **kwargs)
 

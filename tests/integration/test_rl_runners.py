@@ -133,6 +133,67 @@ def test_an_elastic_joiner_reaches_latest_without_reading_from_the_trainer(clust
     assert status["status"]["counters"].get("bytes_planned.from_publishers.spot", 0) == 0
 
 
+def _state(cfg, version: int) -> dict:
+    """Version ``version`` of the tiny model: its weights shifted by 0.01 * version, and
+    the probe of exactly those weights."""
+    from runners import model as M
+
+    net = M.build(cfg)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * version)
+    return {**M.weights(net), M.PROBE: M.probe(net)}
+
+
+def _held_by(ep, who: str) -> dict[int, bool]:
+    """{version: complete} of the replicas the hub lists for ``who`` (draining ones left out)."""
+    return {v.version: h.complete for v in ep.versions("policy") for h in v.holders
+            if h.name == who and not h.draining}
+
+
+def test_a_double_buffered_rollout_serves_v_while_it_loads_v_plus_1_and_lets_it_go_after_the_swap(cluster):
+    """--double-buffer: once v+1 is swapped in, v is still a published replica, so a
+    reader gets v from the rollout after its publisher left; v is unpublished only after
+    that swap, when v+2 needs its buffer; the rollout never holds more than two versions.
+    In-place, fetching v+1 would have unpublished v first, and the reader would find no
+    holder. (Hub state and event order, no timing.)"""
+    name, start = cluster
+    from runners import model as M
+
+    M.deterministic()
+    cfg = M.ModelConfig(hidden=64, layers=2, vocab=512)
+    states = {v: _state(cfg, v) for v in (1, 2, 3)}
+    # (tcp in this process: one NIXL agent after another in the pytest process has
+    # crashed in NIXL's notification polling; the rollout reads them with its own)
+    with connect(cluster=name, name="fake-trainer", node="node1", role="trainer", engine="tcp") as trainer:
+        trainer.publish("policy", 1, states[1])
+        r = start("rollout-0", "runners.rollout", "node2", *TINY, "--double-buffer", "--rollout-s", "0.1",
+                  "--duration-s", "300")
+        assert r.wait_for("started", 120)["buffers"] == 2
+        r.wait_for("loaded", 120, version=1)
+        trainer.publish("policy", 2, states[2])
+        loaded = r.wait_for("loaded", 120, version=2)
+        assert loaded["previous"] == 1 and loaded["buffers"] == 2 and loaded["bytes"] > 0
+        assert _held_by(trainer, "rollout-0") == {1: True, 2: True}  # v1 never unpublished
+
+        trainer.unpublish("policy", 1)  # the rollout is now v1's only holder
+        into = {n: torch.empty_like(t) for n, t in states[1].items()}
+        with connect(cluster=name, name="reader", node="node3", role="reader", engine="tcp") as reader:
+            assert reader.fetch("policy", 1, into=into, timeout=60) == 1
+            assert reader.last_fetch["bytes"] > 0 and reader.last_fetch["from_publishers"] == 0
+        assert all(torch.equal(into[n], t) for n, t in states[1].items())
+
+        trainer.publish("policy", 3, states[3])
+        r.wait_for("loaded", 120, version=3)
+        # v1's buffer took v3; v2 (swapped out just now) stays published in the other
+        assert _held_by(trainer, "rollout-0") == {2: True, 3: True}
+        kinds = [(e["event"], e.get("version")) for e in r.events if e["event"] in ("loaded", "unpublished")]
+        assert kinds == [("loaded", 1), ("loaded", 2), ("unpublished", 1), ("loaded", 3)], kinds
+        assert not r.of("mismatch")
+        r.stop()
+        assert r.proc.returncode == 0, r.tail()
+
+
 def _versions(name):
     return {v["version"]: v for v in json.loads(th("versions", "-c", name, "--json").stdout)}
 

@@ -2,13 +2,16 @@
 through verl's registry, driven by JSON lines on stdin (one reply line each).
 
 ``python -m tests.integration.verl_driver --role trainer|rollout --hub ADDR --token-file F
-[--receive-timeout-s S]``. Our module is imported as verl's ``custom_backend_module`` is
+[--receive-timeout-s S] [--double-buffer] [--name NAME]`` (the last two: engine_kwargs
+``double_buffer`` and ``name``). Our module is imported as verl's ``custom_backend_module`` is
 (``import_external_libs``), then ``CheckpointEngineRegistry.new("tensorhub", ...)``
 gets the keywords verl's workers pass (trainer: ``is_master``, ``bucket_size``;
 rollout: ``bucket_size``). Weights are made from a seed, so both sides rebuild the
 exact bytes. Ops: ``send`` {step, seed[, gate]}: with ``gate`` the weight stream stops
 halfway, touches ``GATE.reached`` and waits (up to 60 s) for the file ``GATE``;
-``receive`` {step, seed}; ``exit``.
+``receive`` {step, seed}: the reply says whether the bytes equal the seed's, where the
+yielded tensors live (``ptrs``), and the fetch's ``bytes`` and ``from_publishers``;
+``exit``.
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ def stream(seed: int, gate: str | None):
         yield name, tensor
 
 
-async def collect(engine, step: int) -> dict:
-    return {name: tensor.clone() async for name, tensor in engine.receive_weights(global_steps=step)}
+async def collect(engine, step: int) -> tuple[dict, list[int]]:
+    got, ptrs = {}, []
+    async for name, tensor in engine.receive_weights(global_steps=step):
+        got[name] = tensor.clone()  # (as a rollout loads them: the staging set stays published)
+        ptrs.append(tensor.data_ptr())
+    return got, sorted(ptrs)
 
 
 def handle(engine, op: str, c: dict) -> dict:
@@ -60,11 +67,12 @@ def handle(engine, op: str, c: dict) -> dict:
         return {"metrics": metrics, "ptrs": ptrs}
     if op == "receive":
         try:
-            got = asyncio.run(collect(engine, c["step"]))
+            got, ptrs = asyncio.run(collect(engine, c["step"]))
         except Exception as exc:
             return {"error": str(exc), "type": type(exc).__name__}
         want = make(c["seed"])
-        return {"names": list(got), "version": engine.last_receive["version"],
+        return {"names": list(got), "version": engine.last_receive["version"], "ptrs": ptrs,
+                "bytes": engine.last_receive["bytes"], "from_publishers": engine.last_receive["from_publishers"],
                 "equal": got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)}
     if op == "exit":
         started = time.monotonic()
@@ -79,11 +87,13 @@ def main() -> int:
     ap.add_argument("--hub", required=True)
     ap.add_argument("--token-file", required=True)
     ap.add_argument("--receive-timeout-s", type=float, default=600.0)
+    ap.add_argument("--double-buffer", action="store_true")
+    ap.add_argument("--name", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import_external_libs("tensorhub_cli.adapters.verl")  # as custom_backend_module is imported
     engine_kwargs = dict(hub=args.hub, token_file=args.token_file, model="policy", engine="tcp",
-                         receive_timeout_s=args.receive_timeout_s)
+                         receive_timeout_s=args.receive_timeout_s, double_buffer=args.double_buffer, name=args.name)
     verl_kwargs = dict(bucket_size=1 << 20) if args.role == "rollout" else dict(is_master=True, bucket_size=1 << 20)
     engine = CheckpointEngineRegistry.new("tensorhub", **verl_kwargs, **engine_kwargs)
     print(json.dumps({"ready": True, "cls": type(engine).__name__}), flush=True)

@@ -5,6 +5,8 @@ SGLang's models keep: ``load_weights(iterable of (hf_name, tensor))``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,7 +47,9 @@ class SGLangStyle(torch.nn.Module):
 def env(token_file, monkeypatch):  # noqa: F811
     """A hub, a trainer endpoint publishing on it, and the loader's environment."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc, client = start_hub(token_file, address)
+    # The loader's endpoint beats at connect's default 1 s: an expiry above that, so a
+    # busy machine does not make the hub forget the holder a reader is sent to.
+    proc, client = start_hub(token_file, address, expiry_s=5.0)
     for key, value in dict(TH_HUB=address, TH_TOKEN_FILE=str(token_file), TH_MODEL="policy", TH_ENGINE="tcp",
                            TH_NAME="sglang-0", TH_FETCH_TIMEOUT_S="30").items():
         monkeypatch.setenv(key, value)
@@ -102,4 +106,54 @@ def test_bad_input_is_refused_by_name_before_anything_is_loaded(env, monkeypatch
 def test_a_bad_th_version_is_named(env, monkeypatch):
     monkeypatch.setenv("TH_VERSION", "newest")
     with pytest.raises(BadArgument, match="TH_VERSION must be a number or 'latest', not 'newest'"):
+        sglang.load(SGLangStyle(3), [])
+
+
+def _mine(trainer) -> dict[int, bool]:
+    """{version: complete} of the loader's replicas as the hub lists them (not draining)."""
+    return {v.version: h.complete for v in trainer.versions("policy") for h in v.holders
+            if h.name.startswith("sglang-0-") and not h.draining}
+
+
+def test_double_buffered_staging_keeps_the_previous_version_published_until_a_newer_needs_its_set(
+        env, monkeypatch):
+    """TH_DOUBLE_BUFFER=1: loading v2 leaves v1 published in the other set (a reader gets
+    v1 from the loader after the trainer let it go); v3 then takes v1's set, so two sets
+    of memory, never three versions. With one set, loading v2 unpublishes v1 first."""
+    monkeypatch.setenv("TH_DOUBLE_BUFFER", "1")
+    versions = {v: SGLangStyle(v).inner for v in (1, 2, 3)}
+    model = SGLangStyle(9)
+    hf.publish(env, "policy", 1, versions[1])
+    assert sglang.load(model, []) == 1
+    first = {k: t.data_ptr() for k, t in sglang._state["staging"].items()}
+    hf.publish(env, "policy", 2, versions[2])
+    assert sglang.load(model, []) == 2 and weights_equal(model.inner, versions[2])
+    assert _mine(env) == {1: True, 2: True}
+
+    env.unpublish("policy", 1)  # the loader is now v1's only holder
+    into = {k: torch.empty_like(t) for k, t in hf.destination(versions[1]).items()}
+    with connect(hub=os.environ["TH_HUB"], token=TOKEN, name="reader", engine="tcp", heartbeat_s=0.2) as reader:
+        assert reader.fetch("policy", 1, into=into, timeout=30) == 1
+        assert reader.last_fetch["bytes"] > 0 and reader.last_fetch["from_publishers"] == 0
+    assert all(torch.equal(into[k], t) for k, t in hf.destination(versions[1]).items())
+
+    hf.publish(env, "policy", 3, versions[3])
+    assert sglang.load(model, []) == 3 and weights_equal(model.inner, versions[3])
+    assert _mine(env) == {2: True, 3: True}
+    assert {k: t.data_ptr() for k, t in sglang._state["staging"].items()} == first  # v1's set again
+    assert len(sglang._state["sets"]) == 2
+
+
+def test_one_staging_set_by_default_unpublishes_the_previous_version_before_the_next(env):
+    hf.publish(env, "policy", 1, SGLangStyle(1).inner)
+    model = SGLangStyle(9)
+    assert sglang.load(model, []) == 1
+    hf.publish(env, "policy", 2, SGLangStyle(2).inner)
+    assert sglang.load(model, []) == 2
+    assert _mine(env) == {2: True} and len(sglang._state["sets"]) == 1
+
+
+def test_a_bad_th_double_buffer_is_named(env, monkeypatch):
+    monkeypatch.setenv("TH_DOUBLE_BUFFER", "two")
+    with pytest.raises(BadArgument, match="TH_DOUBLE_BUFFER must be 1 or 0, not 'two'"):
         sglang.load(SGLangStyle(3), [])

@@ -15,7 +15,7 @@ from tensorhub_cli.hub.machine import Acked, HubFault
 from tensorhub_cli.hub.service import HubService
 from tensorhub_cli.hub.metrics import HubCollector
 
-from .hubkit import acks, info, manifest, new_hub, reg
+from .hubkit import acks, fetch_all, info, manifest, new_hub, reg
 
 
 def publish_and_read(hub):
@@ -209,3 +209,44 @@ def test_a_restarted_hub_says_rebuilding_not_unavailable_while_holders_return():
     with pytest.raises(HubFault) as exc:  # past the grace period a gap is a gap
         hub.plan(106.0, p.Plan(name="r", model="m", version=1))
     assert exc.value.code == "unavailable"
+
+
+def test_resolved_replies_come_from_a_cache_that_is_never_stale():
+    """The service encodes a version's manifests once and splices them into every
+    ``Resolved`` reply: byte for byte what encoding each reply would give, and never
+    another version's (not one withdrawn and published again under the same number
+    with another manifest), each with its own group round."""
+    hub = new_hub()
+    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=lambda: 0.0)
+
+    def call(op, rid=1):
+        [(_, frame)] = service.handle(b"id", [p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=rid, op=op))])
+        return frame
+
+    try:
+        reg(hub, 0, info("t"), info("r", node="n2", group="g"))
+        first, second = manifest(4), manifest(6, salt=7)
+        hub.publish(0, p.Publish(name="t", model="m", version=1, manifest=first))
+        for rid in (5, 6):  # the second reply is served from the cache
+            frame = call(p.Resolve(name="r", model="m", version=1), rid)
+            direct = hub.resolve(0, p.Resolve(name="r", model="m", version=1))
+            assert frame == p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=rid, body=direct))
+            assert p.decode_reply(frame).body.shards == [first]
+        assert hub.models["m"][1].encoded is not None  # (so the test above did read the cache)
+
+        # The operator withdraws v1 whole; t publishes another v1: a new manifest.
+        hub.withdraw(0, p.Withdraw(model="m", version=1))  # (nothing reads it: done at once)
+        assert 1 not in hub.models["m"]
+        hub.publish(0, p.Publish(name="t", model="m", version=1, manifest=second))
+        assert p.decode_reply(call(p.Resolve(name="r", model="m", version=1))).body.shards == [second]
+
+        # A group's rounds: the same version, another round number in each reply.
+        frame = call(p.Resolve(name="r", model="m", group="g"))
+        expected = p.Resolved(model="m", version=1, world=1, shards=[second], round=1)
+        assert frame == p.encode(p.Reply(v=p.PROTOCOL_VERSION, rid=1, body=expected))
+        fetch_all(hub, 0, "r", "m", 1)  # every member complete: the round is over
+        body = p.decode_reply(call(p.Resolve(name="r", model="m", group="g"))).body
+        assert (body.round, body.version, body.shards) == (2, 1, [second])
+    finally:
+        service._sock.close(0)
+        service._ctx.term()

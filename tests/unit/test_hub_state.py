@@ -436,25 +436,47 @@ def test_inside_a_dc_a_busy_rack_holder_lets_a_reader_read_from_another_rack():
 
 def test_the_publisher_sends_into_a_dc_only_chunks_no_reader_there_holds():
     hub = new_hub()
-    reg(hub, 0, info("t", node="n0"), *[info(n, node=f"n{i + 1}") for i, n in enumerate(("a", "b", "s1", "s2"))],
+    reg(hub, 0, info("t", node="n0"), *[info(n, node=f"n{i + 1}") for i, n in enumerate(("a", "a2", "b", "s1", "s2"))],
         info("w", node="n9", dc="west"))
     publish(hub, 0, "t", 1, manifest(8))
     fetch_all(hub, 0, "a", "policy", 1)
+    fetch_all(hub, 0, "a2", "policy", 1)
     for s in ("s1", "s2"):
-        assert set(_per_source(hub.plan(0, p.Plan(name=s, model="policy", version=1, window=2)))) == {"a"}
-    assert hub.load["a"] == 4  # a is full; t is idle and holds every chunk b needs
-    assert hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8)).reads == []  # waits for a
+        assert set(_per_source(hub.plan(0, p.Plan(name=s, model="policy", version=1, window=4)))) <= {"a", "a2"}
+    assert hub.load["a"] == hub.load["a2"] == 4  # both full; t is idle and holds every chunk b needs
+    assert hub.plan(0, p.Plan(name="b", model="policy", version=1, window=8)).reads == []  # waits for them
     # Another DC: no reader there holds anything, so t sends (one copy crosses).
     assert set(_per_source(hub.plan(0, p.Plan(name="w", model="policy", version=1, window=2)))) == {"t"}
-    # Once a reader failed on a holder, the publisher may send it anything again (contract 5).
+    # Once a reader failed on holders, the publisher may send it anything again (contract 5).
     for s in ("s1", "s2", "w"):
         hub.cancel(1.0, p.Cancel(name=s, model="policy", version=1))
-    b = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=2))
-    assert set(_per_source(b)) == {"a"}
-    bad = b.reads[0]
-    hub.progress(1.0, p.Progress(name="b", model="policy", version=1, chunks=[], failed=[bad]))
-    retry = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=2))
-    assert p.Read(chunk=bad.chunk, source="t") in retry.reads
+    b = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=8))
+    assert set(_per_source(b)) == {"a", "a2"}
+    hub.progress(1.0, p.Progress(name="b", model="policy", version=1, chunks=[], failed=b.reads))
+    retry = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=8))
+    assert _per_source(retry) == {"t": 8}  # trusted before the readers that failed it
+
+
+def test_the_publisher_serves_the_last_chunks_one_reader_holds_once_nothing_fresh_is_left():
+    """No tail: while the publisher has a chunk no reader holds, it sends only such
+    chunks; once it has none, its idle link serves chunks whose relaying hangs on a
+    single busy reader."""
+    hub = new_hub()  # max_reads_per_source = 4
+    reg(hub, 0, info("t", node="n0"), *[info(n, node=f"n{i + 1}") for i, n in enumerate(("a", "b", "s1", "s2"))])
+    publish(hub, 0, "t", 1, manifest(8))
+    first = hub.plan(0, p.Plan(name="a", model="policy", version=1, window=4))
+    half = {r.chunk for r in first.reads}
+    hub.progress(0, p.Progress(name="a", model="policy", version=1, chunks=sorted(half)))
+    for s in ("s1", "s2"):
+        assert set(_per_source(hub.plan(0, p.Plan(name=s, model="policy", version=1, window=2)))) == {"a"}
+    assert hub.load["a"] == 4  # a is full
+    b = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=8))  # (a asked t too long ago to share it)
+    assert set(_per_source(b)) == {"t"} and not {r.chunk for r in b.reads} & half  # fresh chunks only
+    # b reports the rest: every chunk has left t once, and a alone holds what b lacks
+    more = hub.plan(1.0, p.Plan(name="b", model="policy", version=1, window=8, chunks=[r.chunk for r in b.reads]))
+    assert {r.chunk for r in b.reads} | half == set(range(8))
+    tail = {r.chunk for r in more.reads if r.source == "t"} & half
+    assert tail, "t idles while a, the one reader holding them, is full"
 
 
 def test_a_reader_that_reports_and_replans_cannot_keep_every_slot_a_waiter_asked_for():

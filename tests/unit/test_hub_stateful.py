@@ -30,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
 from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault
+from tensorhub_cli.planner import serving_mask
 
 from .hubkit import EXPIRY, info, manifest
 
@@ -687,6 +688,7 @@ class HubMachine(RuleBasedStateMachine):
         assert self.hub.full == {s for s, n in self.hub.load.items() if n >= cap}, "(i) full != load at cap"
         for number, v in self.hub.models.get(MODEL, {}).items():
             assert v.publishers == {n for n, r in v.replicas.items() if r.rank >= 0}, f"(i) v{number} publishers"
+            assert v.sending == {s: serving_mask(c) for s, c in v.serving.items()}, f"(i) v{number} sending"
 
 
 HubMachine.TestCase.settings = settings(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tensorhub_cli.planner import (REMOTE, Asking, Candidate, Limits, Place, Reader, Sources, Walk, choose,
                                    first_bit, full_held, groups, join, leave, level_between, may_cross, room,
-                                   serving_mask, spread)
+                                   serving_mask, spread, copies, withheld)
 
 A = Place("n1", "r1", "dc1")
 SAME_RACK = Place("n2", "r1", "dc1")
@@ -131,6 +131,18 @@ def test_one_seed_per_dc_crosses_and_an_inactive_seed_hands_the_role_on():
 def test_spread_counts_readers_not_publishers_nor_draining_ones():
     reps = {"pub": Rep(0b0001, rank=0), "r1": Rep(0b0010), "r2": Rep(0b0100), "gone": Rep(0b1000)}
     assert spread({"pub", "r1", "r2", "gone", "unknown"}, reps, draining={"r2"}) == 0b1010
+
+
+def test_copies_counts_chunks_two_readers_hold():
+    reps = {"pub": Rep(0b1111, rank=0), "r1": Rep(0b0011), "r2": Rep(0b0110), "r3": Rep(0b0100), "gone": Rep(0b1000)}
+    assert copies({"pub", "r1", "r2", "r3", "gone"}, reps, draining={"gone"}) == (0b0111, 0b0110)
+
+
+def test_withheld_is_every_relayed_chunk_until_nothing_fresh_is_left():
+    once, twice = 0b0111, 0b0110
+    assert withheld(0b1111, once, twice, sending=0) == once  # chunk 3 is fresh
+    assert withheld(0b1111, once, twice, sending=0b1000) == twice  # chunk 3 is on its way: the tail
+    assert withheld(0b0111, once, twice, sending=0) == twice  # (a publisher of part of the version)
 
 
 def test_full_held_skips_closed_and_dead_sources():

@@ -1,0 +1,121 @@
+"""`th bench sim`: the flow-level simulator's three workloads at cluster scale, its
+calibration against stored testbed measurements, and (with ``--plot``) scale curves.
+
+Protocol: ``run(gpus, params_file, curves)`` loads the parameters (``specs/sim.yaml``
+documents the defaults; a file given replaces any of them), runs standalone, elastic
+and cross-DC, each ours (ROS planner) then its baseline (star planner; standalone's
+with the global stage's barrier), on ``gpus`` GPUs split trainer:rollout by
+``roles.trainer_fraction``; then the calibration rows (``sim.calibrate``) and, when
+asked, the curves (``sim.curves``). It returns one JSON-able dict whose required keys
+are ``gpus``, ``workloads.standalone.{ours_stall_s, baseline_stall_s, stall_ratio}``,
+``workloads.elastic.{ours_update_s, baseline_update_s, update_ratio}``,
+``workloads.cross_dc.{ours_stall_s, baseline_stall_s, stall_ratio}``,
+``calibration.{max_error, rows}`` and ``wall_s``; ``cpu_s`` is this process's CPU time
+(the whole run is one thread: on a shared machine, the one-core figure), and ``wall``
+says where the wall time went (per part, and how much of it the real hub's own CPU was). Simulated seconds are
+not wall seconds: nothing here sleeps. ``profile``: a cProfile of the whole run is
+written there.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import time
+from pathlib import Path
+
+from ..sim import calibrate
+from ..sim import curves as sim_curves
+from ..sim import workloads as W
+from ..sim.params import SimParams, load
+
+
+def _r(x: float, n: int = 4) -> float:
+    return round(x, n)
+
+
+def _detail(arm: dict, keys: tuple[str, ...]) -> dict:
+    return {k: _r(arm[k]) if isinstance(arm[k], float) else arm[k] for k in keys if k in arm}
+
+
+_COMMON = ("version_s", "hub_cpu_s", "hub_busy_s", "hub_max_queue", "bytes_by_level", "from_trainer_bytes")
+
+
+def _arms(name: str, workload, wall: dict, *args, **kw) -> tuple[dict, dict]:
+    """Ours (ROS planner) then the baseline (star) of one workload, each timed into ``wall``."""
+    w0 = time.perf_counter()
+    ours = workload(*args[:1], "ros", *args[1:], **{k: v[0] for k, v in kw.items()})
+    w1 = time.perf_counter()
+    base = workload(*args[:1], "star", *args[1:], **{k: v[1] for k, v in kw.items()})
+    wall[f"{name}.ours"] = (w1 - w0, ours)
+    wall[f"{name}.baseline"] = (time.perf_counter() - w1, base)
+    return ours, base
+
+
+def _standalone(p: SimParams, t: int, r: int, wall: dict) -> dict:
+    ours, base = _arms("standalone", W.standalone, wall, p, t, r, barrier=(False, True))
+    keys = (*_COMMON, "tp", "rollout_stall_s", "trainer_stall_s", "publish_s")
+    return {"ours_stall_s": _r(ours["stall_s"]), "baseline_stall_s": _r(base["stall_s"]),
+            "stall_ratio": _r(base["stall_s"] / ours["stall_s"], 3),
+            "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
+
+
+def _elastic(p: SimParams, t: int, r: int, wall: dict) -> dict:
+    ours, base = _arms("elastic", W.elastic, wall, p, t, r)
+    keys = (*_COMMON, "tp", "standing_gpus", "joiner_gpus")
+    return {"ours_update_s": _r(ours["update_s"]), "baseline_update_s": _r(base["update_s"]),
+            "update_ratio": _r(base["update_s"] / ours["update_s"], 3),
+            "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
+
+
+def _cross_dc(p: SimParams, t: int, r: int, wall: dict) -> dict:
+    ours, base = _arms("cross_dc", W.cross_dc, wall, p, t, r)
+    keys = (*_COMMON, "tp", "remote_version_s", "remote_stall_s", "local_stall_s", "local_gpus", "remote_gpus", "wan_copies")
+    return {"ours_stall_s": _r(ours["remote_stall_s"]), "baseline_stall_s": _r(base["remote_stall_s"]),
+            "stall_ratio": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),
+            "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
+
+
+def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False,
+        measurements: Path | str | None = None, profile: Path | str | None = None) -> dict:
+    began, cpu0 = time.perf_counter(), time.process_time()
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
+    try:
+        p = load(params_file)
+        gpus = gpus or p.cluster.gpus
+        t, r = W.split(p, gpus)
+        wall: dict[str, tuple[float, dict]] = {}
+        workloads = {"standalone": _standalone(p, t, r, wall), "elastic": _elastic(p, t, r, wall),
+                     "cross_dc": _cross_dc(p, t, r, wall)}
+        w0 = time.perf_counter()
+        files = calibrate.measurements(measurements) if measurements is not None else None
+        calibration = calibrate.summary(p, files)
+        parts = {name: {"wall_s": _r(w, 2), "hub_cpu_s": _r(arm["hub_cpu_total_s"], 2),
+                        "events": arm.get("events", 0)} for name, (w, arm) in wall.items()}
+        parts["calibration"] = {"wall_s": _r(time.perf_counter() - w0, 2)}
+        out = {
+            "gpus": gpus, "trainer_gpus": t, "rollout_gpus": r, "rollout_tp": p.roles.rollout_tp,
+            "model_bytes": p.model.nbytes, "chunk_bytes": p.model.chunk_bytes, "window": p.fetch.window,
+            "hub_cpu_charged": p.hub.charge_cpu,
+            "workloads": workloads,
+            "calibration": calibration,
+        }
+        if curves:
+            w0 = time.perf_counter()
+            out["curves"] = sim_curves.run(p)
+            parts["curves"] = {"wall_s": _r(time.perf_counter() - w0, 2)}
+        out["wall"] = parts
+        out["wall_s"] = _r(time.perf_counter() - began, 2)
+        out["cpu_s"] = _r(time.process_time() - cpu0, 2)  # this process's CPU: the one-core figure
+        return out
+    finally:
+        if prof:
+            prof.disable()
+            prof.dump_stats(str(profile))
+
+
+def plot(result: dict, path: Path | str) -> None:
+    from ..sim.plot import curves as draw
+
+    draw(result, Path(path))

@@ -1,0 +1,212 @@
+"""Calibration: the simulator at testbed size, against measurements stored in the
+repository.
+
+Protocol: ``measurements(folder)`` reads every ``*.json`` there shaped
+``{"command", "date", "commit", "result"}`` (docs/measurements/README.md);
+``rows(params, files)`` predicts each measured figure it knows how to model and
+returns ``[{scenario, measured_s, predicted_s, error, source}]``, ``error`` being
+|predicted - measured| / measured. Modelled now: ``th bench fanout --testbed`` rows on
+the testbed the file names (its nodes, in 2 racks, one endpoint per node, the file's
+node and rack rates, readers placed in ``bench.fanout``'s order, publisher and hub on
+n1): ours (ROS planner) and star through the real hub, and the gloo broadcast arm as
+the binomial tree it is (network only). Registration and memory setup are not
+modelled: compare warm rows only (the bench warms up by default). Files of other
+benches are listed in ``skipped`` with the reason.
+
+Link efficiencies (one direction, both directions at once, rack uplinks) come from
+the testbed's own link check stored with each measurement (achieved ÷ expected per
+link class), not from the rows predicted. The reader loop's costs (plan round trip,
+checksum rate) are fitted once (``fit``: a grid minimising the largest error over
+every stored row) and written to ``specs/sim.yaml`` by hand; a run reports the errors
+of the YAML's values, not of a fresh fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from . import scenario as sc
+from .events import Loop
+from .network import Network
+from .params import SimParams
+from .topology import Fabric, Topology
+from .world import World
+
+FOLDER = Path(__file__).resolve().parents[2] / "docs" / "measurements"
+
+
+def testbed_layout(nodes: int, racks: int) -> tuple[int, list[str]]:
+    """(nodes per rack, reader nodes in the order ``bench.fanout`` uses them) of a
+    testbed of ``nodes`` in ``racks``: racks filled in order as evenly as possible,
+    earlier racks first (``scripts/testbed``), so ceil(nodes / racks) to a rack for
+    the two racks the fan-out bench builds."""
+    from ..bench.fanout import reader_order  # (the bench's own rule, so placement cannot drift)
+
+    per = -(-nodes // racks)
+    state = {"nodes": [{"name": f"n{i + 1}", "rack": f"rack{i // per + 1}"} for i in range(nodes)]}
+    return per, reader_order(state)
+
+
+def measurements(folder: Path | None = None) -> list[tuple[str, dict]]:
+    folder = FOLDER if folder is None else Path(folder)
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a measurement file: {exc}") from None
+        missing = [k for k in ("command", "date", "result") if k not in doc]
+        if missing:
+            raise ValueError(f"{path}: measurement file lacks {', '.join(missing)}")
+        out.append((path.name, doc))
+    return out
+
+
+def efficiencies(params: SimParams, testbed: dict) -> dict[str, float]:
+    """Link efficiencies: from the testbed's own link check in the file (achieved ÷
+    expected per link class; ``scripts/testbed_kit/check.py``), else ``params.testbed``."""
+    tb = params.testbed
+    out = {"node": tb.link_efficiency, "duplex": tb.duplex_efficiency, "rack": tb.link_efficiency}
+    for row in testbed.get("check") or []:
+        if row.get("link") in out and row.get("expect_mbit"):
+            out[row["link"]] = row["achieved_mbit"] / row["expect_mbit"]
+    return out
+
+
+def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[str, float]) -> Fabric:
+    return Fabric(gpus_per_node=1, nodes_per_rack=per_rack, nic_gbps=node_mbit / 1000, nvlink_gbps=node_mbit / 1000,
+                  rack_uplink_gbps=rack_mbit / 1000 if rack_mbit else None, wan_gbps=None, efficiency=eff["node"],
+                  duplex_efficiency=eff["duplex"], uplink_efficiency=eff["rack"])
+
+
+def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
+                node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
+                nodes: int | None = None, racks: int = 2) -> float:
+    """Seconds from the fetches' start until the last reader holds every chunk: the
+    publisher (and the hub) on n1, readers on the bench's reader nodes."""
+    tb = params.testbed
+    eff = eff or efficiencies(params, {})
+    nodes = nodes or readers + 1
+    per, order = testbed_layout(nodes, racks)
+    fetch = tb.fetch.model_copy(update={"window": window})
+    world = World(params, [nodes], planner=planner, fetch=fetch, fabric=_fabric(per, node_mbit, rack_mbit, eff),
+                  overhead_s=tb.request_overhead_s, exact=True)
+    pub = world.endpoint("publisher", 0, "trainer")
+    eps = [world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in order[:readers]]
+    sc.register(world, [pub, *eps])
+    t0 = sc.publish(world, [pub], "fan", 1, sc.manifests(nbytes, 1, chunk_bytes))
+    fetches = sc.fetch(world, [(ep, 0, t0) for ep in eps], "fan", 1)
+    world.close()
+    return max(f.ended for f in fetches.values()) - t0
+
+
+def broadcast_time(*, readers: int, nbytes: int, node_mbit: float, rack_mbit: float | None,
+                   eff: dict[str, float], nodes: int | None = None, racks: int = 2) -> float:
+    """gloo's broadcast of the payload from n1 to the readers' nodes (the fan-out
+    bench's third arm): a binomial tree of whole-payload sends, no pipelining. Rank r
+    (0: n1, k: the k-th reader node) receives from r - 2^floor(log2 r), then sends to
+    r + 2^i for each round i above that, one send after another. No hub is involved:
+    only the network model."""
+    nodes = nodes or readers + 1
+    per, order = testbed_layout(nodes, racks)
+    loop = Loop()
+    net = Network(loop)
+    topo = Topology(net, [nodes], _fabric(per, node_mbit, rack_mbit, eff))
+    gpus = [topo.gpus[0]] + [topo.gpus[int(n[1:]) - 1] for n in order[:readers]]
+    world = len(gpus)
+    done = [0.0] + [None] * (world - 1)
+
+    def forward(rank: int, i: int) -> None:  # rank's send of round i, then the next round's
+        child = rank + (1 << i)
+        if child >= world:
+            return
+        net.start(topo.path(gpus[rank], gpus[child]), nbytes, lambda: arrived(rank, child, i))
+
+    def arrived(rank: int, child: int, i: int) -> None:
+        done[child] = loop.now
+        forward(rank, i + 1)
+        forward(child, i + 1)
+
+    forward(0, 0)
+    loop.run()
+    return max(done)
+
+
+def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
+    res = doc["result"]
+    tb = res["testbed"]
+    rates = tb["rates_mbit"]
+    eff = efficiencies(params, tb)
+    shape = {"nbytes": res["bytes"], "node_mbit": rates["node"], "rack_mbit": rates.get("rack"), "eff": eff,
+             "nodes": tb.get("nodes"), "racks": tb.get("racks", 2)}
+    out = []
+    for row in res["rows"]:
+        for arm, key in (("ours", "ours_s"), ("star", "star_s"), ("broadcast", "broadcast_s")):
+            if key not in row:
+                continue
+            if arm == "broadcast":
+                pred = broadcast_time(readers=row["readers"], **shape)
+            else:
+                pred = fanout_time(params, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
+                                   window=res["window"], planner="ros" if arm == "ours" else "star", **shape)
+            meas = row[key]
+            out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
+                        "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})
+    return out
+
+
+def rows(params: SimParams, files: list[tuple[str, dict]] | None = None) -> tuple[list[dict], list[str]]:
+    """(rows, skipped): every modelled figure of the stored measurements."""
+    files = measurements() if files is None else files
+    out, skipped = [], []
+    for name, doc in files:
+        res = doc["result"]
+        if res.get("workload") == "fanout" and "testbed" in res and not res.get("warmup"):
+            skipped.append(f"{name}: fanout rows without a warm-up (first-fetch registration is not modelled)")
+        elif res.get("workload") == "fanout" and "testbed" in res:
+            out += _fanout_rows(params, name, doc)
+        else:
+            skipped.append(f"{name}: {res.get('workload', '?')} {'(testbed) ' if res.get('site') == 'testbed' else ''}"
+                           "is not modelled yet")
+    return out, skipped
+
+
+def summary(params: SimParams, files: list[tuple[str, dict]] | None = None) -> dict:
+    got, skipped = rows(params, files)
+    return {"max_error": max((r["error"] for r in got), default=None), "rows": got, "skipped": skipped,
+            "target": params.testbed.max_error,
+            "met": bool(got) and max(r["error"] for r in got) <= params.testbed.max_error}
+
+
+def fit(params: SimParams, files: list[tuple[str, dict]], rtts=(0.0005, 0.001, 0.002, 0.004, 0.008),
+        verify_gbps=(1.0, 2.0, 4.0, 8.0, 16.0), duplex=(None,)) -> tuple[dict, float]:
+    """The grid point with the smallest largest error: (testbed settings, that error).
+    ``duplex``: fallback duplex efficiencies to try, for files without a link check."""
+    best: tuple[float, dict] = (float("inf"), {})
+    for rtt, vg, dx in itertools.product(rtts, verify_gbps, duplex):
+        tb = params.testbed.model_copy(update={
+            "duplex_efficiency": dx, "fetch": params.testbed.fetch.model_copy(update={"plan_rtt_s": rtt,
+                                                                                     "verify_gbps": vg})})
+        got, _ = rows(params.model_copy(update={"testbed": tb}), files)
+        worst = max(r["error"] for r in got)
+        if worst < best[0]:
+            best = (worst, {"plan_rtt_s": rtt, "verify_gbps": vg, "duplex_efficiency": dx})
+    return best[1], best[0]
+
+
+if __name__ == "__main__":  # python -m tensorhub_cli.sim.calibrate [--fit] [FILE.json ...]
+    import sys
+
+    from .params import load
+
+    args = sys.argv[1:]
+    fitting = "--fit" in args
+    paths = [a for a in args if a != "--fit"]
+    files = [(Path(a).name, json.loads(Path(a).read_text())) for a in paths] or None
+    p = load()
+    if fitting:
+        print(json.dumps(fit(p, files or measurements())))
+    else:
+        print(json.dumps(summary(p, files), indent=2))

@@ -1,0 +1,127 @@
+"""The real hub (``hub.machine.Hub``) on one simulated core.
+
+Protocol: ``call(op, reply)`` sends an operation from an endpoint: it reaches the hub
+``rtt_s / 2`` later, waits its turn (requests are served one at a time, first come
+first served, like the service's single event loop), is applied to the real state
+machine with the simulated time as ``now``, and ``reply(body)`` runs ``rtt_s / 2``
+after the hub is done with it (``None``: no reply is awaited). ``beats(ops)`` sends one
+heartbeat period's heartbeats of many endpoints as one batch (fewer events; each is
+still a real call). ``body`` is the hub's reply, or ``protocol.Error`` for a
+refusal (``HubFault``), exactly as the service would send it. ``sweep()`` runs the
+service's periodic ``expire`` and ``settle`` on the same core, every ``sweep_s``.
+
+Hub work has a cost: each call is timed with ``time.process_time`` (the CPU the real
+state machine and planner used in this process) and summed per operation kind in
+``cpu``. With ``charge`` on, that time (times ``cpu_scale``, plus ``overhead_s`` per
+request for decoding, encoding and the socket) also keeps the simulated core busy, so
+a hub that cannot keep up delays every reply, as it would: simulated time then depends
+a little on this machine's speed, and two runs agree only to that noise. With ``charge``
+off a run is a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from ..hub import protocol as p
+from ..hub.machine import Hub, HubFault
+from .events import Loop
+
+_OPS = {
+    p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
+    p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
+}
+
+
+class HubServer:
+    def __init__(self, loop: Loop, hub: Hub, *, rtt_s: float, charge: bool, cpu_scale: float = 1.0,
+                 overhead_s: float = 0.0, sweep_s: float = 1.0):
+        self.loop, self.hub = loop, hub
+        self.rtt_s, self.charge, self.cpu_scale, self.overhead_s = rtt_s, charge, cpu_scale, overhead_s
+        self.sweep_s = sweep_s
+        self._queue: deque = deque()
+        self._busy = False
+        self.cpu: dict[str, float] = {}  # op kind -> process CPU seconds inside the real hub
+        self.calls: dict[str, int] = {}
+        self.busy_s = 0.0  # simulated seconds the hub core was occupied
+        self.max_queue = 0
+        self.expired: list[tuple[float, str]] = []
+        self._sweeping = False
+
+    # --- endpoints' requests ---------------------------------------------------------
+    def call(self, op: p.Msg, reply: Callable[[p.Msg], None]) -> None:
+        self.loop.after(self.rtt_s / 2, self._arrive, op, reply)
+
+    def _arrive(self, op: p.Msg, reply: Callable | None) -> None:
+        self._queue.append((op, reply))
+        if len(self._queue) > self.max_queue:
+            self.max_queue = len(self._queue)
+        if not self._busy:
+            self._serve()
+
+    def _serve(self) -> None:
+        op, reply = self._queue.popleft()
+        self._busy = True
+        now = self.loop.now
+        kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else type(op).__name__.lower()
+        t0 = time.process_time()
+        if op is None:
+            body = None
+            for name in self.hub.expire(now):
+                self.expired.append((now, name))
+            self.hub.settle(now)
+        elif isinstance(op, list):  # one beat period's heartbeats, served back to back
+            body = None
+            for beat in op:
+                try:
+                    self.hub.heartbeat(now, beat)
+                except HubFault:
+                    pass  # (expired meanwhile: a real endpoint would re-register)
+        else:
+            try:
+                body = _OPS[type(op)](self.hub, now, op)
+            except HubFault as fault:
+                body = fault.as_error()
+        self.hub.take_outbound()  # (acks and commands: no simulated endpoint waits on them)
+        cpu = time.process_time() - t0
+        self.cpu[kind] = self.cpu.get(kind, 0.0) + cpu
+        n = len(op) if isinstance(op, list) else 1
+        self.calls[kind] = self.calls.get(kind, 0) + n
+        busy = (cpu * self.cpu_scale + n * self.overhead_s) if self.charge else 0.0
+        self.busy_s += busy
+        self.loop.at(now + busy, self._served, body, reply)
+
+    def beats(self, ops: list[p.Heartbeat]) -> None:
+        """Heartbeats of many endpoints sent at once: one queue entry, each beat still a
+        real ``Hub.heartbeat`` call (and a request's overhead) on the hub core."""
+        if ops:
+            self.loop.after(self.rtt_s / 2, self._arrive, ops, None)
+
+    def _served(self, body, reply: Callable | None) -> None:
+        if reply is not None:
+            self.loop.after(self.rtt_s / 2, reply, body)
+        if self._queue:
+            self._serve()
+        else:
+            self._busy = False
+
+    # --- the service's sweep ---------------------------------------------------------
+    def start_sweeps(self) -> None:
+        if not self._sweeping:
+            self._sweeping = True
+            self.loop.after(self.sweep_s, self._sweep)
+
+    def stop_sweeps(self) -> None:
+        self._sweeping = False
+
+    def _sweep(self) -> None:
+        if not self._sweeping:
+            return
+        self._arrive(None, None)
+        self.loop.after(self.sweep_s, self._sweep)
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu.values())

@@ -1,0 +1,163 @@
+"""The simulator's parameters: one validated YAML (``specs/sim.yaml`` documents the
+defaults field by field).
+
+Protocol: ``load(path)`` returns a ``SimParams`` or raises ``ParamsError`` whose lines
+name each bad field (``cluster.nic_gbps: Input should be greater than 0``); ``None``
+gives the defaults. Unknown keys are errors (``extra="forbid"``), so a typo never
+silently falls back to a default. Everything a run depends on is here: a run is a
+function of its parameters (and, with ``hub.charge_cpu``, of this machine's speed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_FILE = Path(__file__).resolve().parents[2] / "specs" / "sim.yaml"
+
+
+class ParamsError(ValueError):
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Cluster(Strict):
+    gpus: int = Field(1024, ge=2, le=65536, description="GPUs in all (trainer + rollouts)")
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    nodes_per_rack: int = Field(16, ge=1, le=1024)
+    nic_gbps: float = Field(200.0, gt=0, description="one NIC per GPU, each direction")
+    nvlink_gbps: float = Field(3600.0, gt=0, description="GPU to GPU inside a node, per GPU and direction")
+    rack_uplink_gbps: Optional[float] = Field(None, gt=0, description="each rack's uplink; null: non-blocking")
+    wan_gbps: float = Field(400.0, gt=0, description="each DC's link to the WAN, each direction")
+    link_efficiency: float = Field(0.95, gt=0, le=1, description="share of a link's rate a transfer achieves")
+
+
+class Roles(Strict):
+    trainer_fraction: float = Field(0.25, gt=0, lt=1, description="trainer GPUs / all GPUs")
+    rollout_tp: int = Field(32, ge=1, le=4096, description="GPUs per rollout instance; each reads a 1/tp slice")
+
+
+class Model(Strict):
+    params: float = Field(1.0e12, gt=0, description="parameters")
+    dtype_bytes: int = Field(2, ge=1, le=8, description="bytes per parameter (bf16: 2)")
+    chunk_mib: float = Field(1024.0, gt=0, description="chunk size, MiB")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.params * self.dtype_bytes)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mib * 2**20)
+
+
+class Fetch(Strict):
+    """A reader's loop (endpoint/fetch.py) and what its steps cost."""
+
+    window: int = Field(4, ge=1, le=1024, description="reads in flight per reader")
+    report_s: float = Field(0.05, ge=0, description="results are reported at most this long after the first")
+    plan_rtt_s: float = Field(0.0005, ge=0, description="a request's round trip on the wire, hub work excluded")
+    verify_s: float = Field(0.0002, ge=0, description="per chunk, fixed part of the checksum")
+    verify_gbps: float = Field(8000.0, gt=0, description="checksum rate, Gbit/s (device digest)")
+    verifiers: int = Field(2, ge=1, le=64, description="checksums at once per endpoint")
+    read_error_s: float = Field(0.5, ge=0, description="a read from a dead holder fails after this long")
+    start_jitter_s: float = Field(0.1, ge=0, description="rollout instances start fetching within this spread")
+
+
+class HubParams(Strict):
+    expiry_s: float = Field(5.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    sweep_s: float = Field(1.0, gt=0, description="how often the service expires and settles")
+    max_reads_per_source: int = Field(4, ge=1, le=1024)
+    charge_cpu: bool = Field(True, description="the real hub's measured CPU keeps the simulated hub core busy")
+    cpu_scale: float = Field(1.0, gt=0, description="hub CPU here x this = hub CPU on the target machine")
+    request_overhead_s: float = Field(3e-05, ge=0, description="per request: decode, encode, socket")
+
+    @model_validator(mode="after")
+    def _beats(self) -> "HubParams":
+        if self.expiry_s < 2 * self.heartbeat_s:
+            raise ValueError("expiry_s must be at least twice heartbeat_s, or one late beat expires a live endpoint")
+        return self
+
+
+class Engine(Strict):
+    quantum_frac: float = Field(0.02, ge=0, lt=1, description="rates wait this share of a chunk's time; 0: exact")
+    quantum_s: float = Field(0.0, ge=0, description="and at least this long")
+    limit_s: float = Field(3600.0, gt=0, description="simulated seconds before a scenario counts as stuck")
+
+
+class Elastic(Strict):
+    joiner_fraction: float = Field(0.25, gt=0, lt=1, description="share of the rollout GPUs that join at once")
+
+
+class CrossDc(Strict):
+    remote_fraction: float = Field(0.5, gt=0, lt=1, description="share of the rollout GPUs in the second DC")
+
+
+class Workloads(Strict):
+    elastic: Elastic = Elastic()
+    cross_dc: CrossDc = CrossDc()
+
+
+class Curves(Strict):
+    rollout_gpus: list[int] = Field([8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096], min_length=1)
+    trainer_gpus: int = Field(256, ge=1, description="held fixed along the curve")
+
+    @model_validator(mode="after")
+    def _positive(self) -> "Curves":
+        if any(n < 1 for n in self.rollout_gpus):
+            raise ValueError("rollout_gpus must all be at least 1")
+        return self
+
+
+class Testbed(Strict):
+    """Calibration: the namespace testbed of ``th bench fanout --testbed`` (8 nodes, one
+    endpoint per node; link rates come from each measurement file)."""
+
+    fetch: Fetch = Fetch(plan_rtt_s=0.002, verify_s=0.001, verify_gbps=8.0, start_jitter_s=0.0)
+    link_efficiency: float = Field(0.93, gt=0, le=1, description="one direction, when a file has no link check")
+    duplex_efficiency: Optional[float] = Field(None, gt=0, le=1, description="both directions at once, as a "
+                                               "share of twice the rate, when a file has no link check")
+    request_overhead_s: float = Field(0.0003, ge=0)
+    max_error: float = Field(0.15, gt=0, description="largest relative error the calibration accepts")
+
+
+class SimParams(Strict):
+    seed: int = 7
+    cluster: Cluster = Cluster()
+    roles: Roles = Roles()
+    model: Model = Model()
+    fetch: Fetch = Fetch()
+    hub: HubParams = HubParams()
+    engine: Engine = Engine()
+    workloads: Workloads = Workloads()
+    curves: Curves = Curves()
+    testbed: Testbed = Testbed()
+
+
+def load(path: Path | str | None = None) -> SimParams:
+    """``path`` (a YAML mapping, every key optional), or the defaults."""
+    if path is None:
+        return SimParams()
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ParamsError([f"{path}: {exc}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ParamsError([f"{path}: the top level must be a mapping of parameters"])
+    try:
+        return SimParams.model_validate(data)
+    except ValidationError as exc:
+        raise ParamsError([f"{path}: {'.'.join(str(x) for x in e['loc']) or '(top level)'}: {e['msg']}"
+                           for e in exc.errors()]) from None

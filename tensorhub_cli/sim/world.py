@@ -1,0 +1,140 @@
+"""One simulated cluster: the event loop, the network, the real hub on its simulated
+core, and the endpoints; joins, leaves and failures are injected here.
+
+Protocol: ``World(params, dcs, planner=...)`` builds the topology (``dcs``: GPUs per
+datacenter) and a fresh ``hub.machine.Hub`` configured as the service would be
+(``planner`` "ros", or "star" for the trainer-star baselines); ``fabric``, ``fetch``
+and ``overhead_s`` replace the cluster's (the testbed's, for calibration), ``exact``
+turns the network's rate quantum off. ``endpoint(name, gpu,
+role)`` places an endpoint on a GPU (``register`` it to join); ``transfer`` moves one
+chunk as a flow along the path between two GPUs; ``leave(name)`` deregisters and
+stops an endpoint; ``kill(name)`` is a node failure:
+the endpoint stops (no heartbeats, no plans), its flows stop, a reader that was
+reading from it sees that read fail after ``read_error_s``, and the hub expires it
+after ``expiry_s`` through its sweep (contract 6), exactly as the service would.
+``run(until_done)`` runs events until ``until_done()`` holds (or ``engine.limit_s``
+simulated seconds pass: ``SimStuck``); heartbeats and sweeps stop with it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..hub import protocol as p
+from ..hub.machine import Hub, HubConfig
+from ..hub.retention import Policy
+from .endpoint import Fetch, SimEndpoint
+from .events import Loop
+from .hubserver import HubServer
+from .network import Network
+from .params import Fetch as FetchParams
+from .params import SimParams
+from .topology import Fabric, Topology
+
+
+class SimStuck(RuntimeError):
+    pass
+
+
+class World:
+    def __init__(self, params: SimParams, dcs: list[int], *, planner: str = "ros", fetch: FetchParams | None = None,
+                 fabric: Fabric | None = None, overhead_s: float | None = None, exact: bool = False):
+        h, e = params.hub, params.engine
+        self.params = params
+        self.fetch_params = fetch or params.fetch
+        self.rng = random.Random(params.seed)
+        self.loop = Loop()
+        self.net = Network(self.loop, 0.0 if exact else e.quantum_s, 0.0 if exact else e.quantum_frac)
+        self.topology = Topology(self.net, dcs, fabric or Fabric.of(params.cluster))
+        hub = Hub(HubConfig(cluster="sim", expiry_s=h.expiry_s, grace_s=0.0, planner=planner,
+                            max_reads_per_source=h.max_reads_per_source,
+                            default_policy=Policy(keep_latest=2, min_reliable_copies=0)), now=0.0)
+        self.hub = HubServer(self.loop, hub, rtt_s=self.fetch_params.plan_rtt_s, charge=h.charge_cpu,
+                             cpu_scale=h.cpu_scale, overhead_s=h.request_overhead_s if overhead_s is None
+                             else overhead_s, sweep_s=h.sweep_s)
+        self.endpoints: dict[str, SimEndpoint] = {}
+        self.publishers: set[str] = set()
+        self.running = True
+        self._flows: dict[int, tuple[SimEndpoint, Fetch, int]] = {}  # fid -> (source, reader's fetch, chunk)
+        self._by_endpoint: dict[str, set[int]] = {}
+        self._beating: list[SimEndpoint] = []
+        self.chunk_sizes: dict[tuple, list[int]] = {}  # (model, version) -> bytes per chunk, from a Resolve
+        self.hub.start_sweeps()
+        self.loop.after(h.heartbeat_s, self._beat)
+
+    # --- endpoints --------------------------------------------------------------------
+    def endpoint(self, name: str, gpu: int, role: str, reliable: bool = True) -> SimEndpoint:
+        if name in self.endpoints:
+            raise ValueError(f"endpoint {name!r} exists already")
+        ep = self.endpoints[name] = SimEndpoint(self, name, self.topology.gpus[gpu], role, reliable)
+        if role == "trainer":
+            self.publishers.add(name)
+        return ep
+
+    def beating(self, ep: SimEndpoint) -> None:
+        """``ep`` registered: it heartbeats from now on, while alive."""
+        self._beating.append(ep)
+
+    def _beat(self) -> None:
+        if not self.running:
+            return
+        self._beating = [ep for ep in self._beating if ep.alive]
+        self.hub.beats([ep.heartbeat() for ep in self._beating])
+        self.loop.after(self.params.hub.heartbeat_s, self._beat)
+
+    def is_publisher(self, name: str) -> bool:
+        return name in self.publishers
+
+    def leave(self, name: str) -> None:
+        """An announced leave: ``name`` deregisters (the hub drops its references at
+        once and re-plans the reads from it at each reader's next plan) and stops; no
+        drain (contract 3's unpublish) is modelled."""
+        self.hub.call(p.Deregister(name=name, incarnation=name), None)
+        self.kill(name)
+
+    def kill(self, name: str) -> None:
+        """A failure: ``name`` stops at once, and its flows with it."""
+        ep = self.endpoints[name]
+        ep.die()
+        for fid in list(self._by_endpoint.get(name, ())):
+            src, fetch, chunk = self._flows[fid]
+            self.stop_transfer(fid)
+            if src is ep and fetch.ep.alive:
+                self.loop.after(self.fetch_params.read_error_s, fetch.read_failed, chunk, src.name, fid)
+
+    # --- bytes --------------------------------------------------------------------------
+    def transfer(self, src: SimEndpoint, fetch: Fetch, chunk: int, nbytes: int) -> int:
+        path = self.topology.path(src.gpu, fetch.ep.gpu)
+        fid = self.net.start(path, nbytes, lambda: self._landed(fid))
+        self._flows[fid] = (src, fetch, chunk)
+        self._by_endpoint.setdefault(src.name, set()).add(fid)
+        self._by_endpoint.setdefault(fetch.ep.name, set()).add(fid)
+        return fid
+
+    def _landed(self, fid: int) -> None:
+        src, fetch, chunk = self._untrack(fid)
+        fetch.landed(chunk, fid)
+
+    def stop_transfer(self, fid: int) -> None:
+        if fid in self._flows:
+            self._untrack(fid)
+            self.net.stop(fid)
+
+    def _untrack(self, fid: int):
+        src, fetch, chunk = self._flows.pop(fid)
+        self._by_endpoint[src.name].discard(fid)
+        self._by_endpoint[fetch.ep.name].discard(fid)
+        return src, fetch, chunk
+
+    # --- time ---------------------------------------------------------------------------
+    def run(self, until_done, what: str = "the scenario") -> None:
+        limit = self.loop.now + self.params.engine.limit_s
+        self.loop.run(until=limit, stop=until_done)
+        if not until_done():
+            self.running = False
+            raise SimStuck(f"{what} did not finish within {self.params.engine.limit_s:g} simulated seconds")
+
+    def close(self) -> None:
+        """Stop heartbeats and sweeps (their events fall through)."""
+        self.running = False
+        self.hub.stop_sweeps()

@@ -1,0 +1,52 @@
+"""`th bench sim`'s run(): the JSON it promises, on a cluster small enough for a unit test."""
+
+import json
+
+import pytest
+
+from tensorhub_cli.bench import sim
+
+SMALL = """
+cluster: {gpus: 32, gpus_per_node: 4, nodes_per_rack: 2}
+roles: {trainer_fraction: 0.25, rollout_tp: 4}
+model: {params: 4.0e+8, chunk_mib: 64}
+hub: {charge_cpu: false}
+curves: {rollout_gpus: [4, 8], trainer_gpus: 4}
+"""
+
+
+@pytest.fixture
+def small(tmp_path):
+    f = tmp_path / "small.yaml"
+    f.write_text(SMALL)
+    return f
+
+
+def test_run_reports_every_promised_key(small, tmp_path):
+    measured = tmp_path / "m"
+    measured.mkdir()
+    result = sim.run(params_file=small, measurements=measured, curves=True)
+    json.dumps(result)  # plain data
+    assert result["gpus"] == 32 and (result["trainer_gpus"], result["rollout_gpus"]) == (8, 24)
+    w = result["workloads"]
+    for name, keys in (("standalone", ("ours_stall_s", "baseline_stall_s", "stall_ratio")),
+                       ("elastic", ("ours_update_s", "baseline_update_s", "update_ratio")),
+                       ("cross_dc", ("ours_stall_s", "baseline_stall_s", "stall_ratio"))):
+        assert all(w[name][k] > 0 for k in keys), (name, w[name])
+    s = w["standalone"]
+    assert s["stall_ratio"] == pytest.approx(s["baseline_stall_s"] / s["ours_stall_s"], rel=1e-2)
+    assert w["cross_dc"]["ours"]["wan_copies"] == pytest.approx(1.0)  # one copy crosses per version
+    assert w["cross_dc"]["baseline"]["wan_copies"] > 1.0
+    assert result["calibration"]["rows"] == [] and result["calibration"]["max_error"] is None
+    assert [r["rollout_gpus"] for r in result["curves"]["rows"]] == [4, 8]
+    assert result["wall_s"] > 0 and "standalone.ours" in result["wall"]
+
+
+def test_plot_writes_a_png(small, tmp_path):
+    pytest.importorskip("matplotlib")
+    result = {"curves": {"trainer_gpus": 4, "rows": [
+        {"rollout_gpus": n, "ours_version_s": 1.0 + n, "star_version_s": 2.0 * n, "ours_hub_cpu_s": 0.1 * n,
+         "star_hub_cpu_s": 0.05 * n} for n in (4, 8, 16)]}, "model_bytes": 10**9, "chunk_bytes": 1 << 26}
+    out = tmp_path / "c.png"
+    sim.plot(result, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,85 @@
+"""Calibration: stored measurement files in, predicted rows out."""
+
+import json
+
+import pytest
+
+from tensorhub_cli.sim import calibrate
+from tensorhub_cli.sim.params import SimParams
+
+S = 16 << 20
+NODE_MBIT = 500.0
+
+
+def quiet() -> SimParams:
+    """No loop costs, no hub CPU charged: predictions are closed forms."""
+    p = SimParams()
+    tb = p.testbed.model_copy(update={"request_overhead_s": 0.0, "fetch": p.testbed.fetch.model_copy(update={
+        "plan_rtt_s": 0.0, "verify_s": 0.0, "verify_gbps": 1e9, "report_s": 0.0})})
+    return p.model_copy(update={"testbed": tb, "hub": p.hub.model_copy(update={"charge_cpu": False})})
+
+
+def fanout_file(rows, check=None) -> dict:
+    testbed = {"nodes": 8, "racks": 2, "rates_mbit": {"node": NODE_MBIT, "rack": 2 * NODE_MBIT}}
+    if check is not None:
+        testbed["check"] = check
+    return {"command": "th bench fanout --testbed --json", "date": "2026-01-01", "commit": "abc",
+            "result": {"workload": "fanout", "testbed": testbed, "bytes": S, "chunk_bytes": 1 << 20, "window": 4,
+                       "warmup": True, "rows": rows}}
+
+
+def test_reader_placement_follows_the_bench():
+    per, order = calibrate.testbed_layout(8, 2)
+    assert per == 4 and order[:3] == ["n2", "n5", "n3"]  # alternating racks, n1 is the publisher's
+
+
+def test_broadcast_is_a_binomial_tree_of_whole_sends():
+    full = {"node": 1.0, "duplex": None, "rack": 1.0}
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    # 1 reader: one send; 3 readers: two rounds; 7 readers: three rounds (rack uplinks at 2x never bind here)
+    for readers, rounds in ((1, 1), (3, 2), (7, 3)):
+        t = calibrate.broadcast_time(readers=readers, nbytes=S, node_mbit=NODE_MBIT, rack_mbit=None, eff=full)
+        assert t == pytest.approx(rounds * bound, rel=1e-6)
+
+
+def test_rows_compare_prediction_and_measurement():
+    full = [{"link": "node", "expect_mbit": NODE_MBIT, "achieved_mbit": NODE_MBIT},
+            {"link": "duplex", "expect_mbit": 2 * NODE_MBIT, "achieved_mbit": 2 * NODE_MBIT},
+            {"link": "rack", "expect_mbit": 2 * NODE_MBIT, "achieved_mbit": 2 * NODE_MBIT}]
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    files = [("f.json", fanout_file([{"readers": 3, "ours_s": bound * 1.5, "star_s": 3 * bound * 1.1}], full))]
+    rows, skipped = calibrate.rows(quiet(), files)
+    assert skipped == []
+    by = {r["scenario"]: r for r in rows}
+    star = by["fanout star readers=3"]
+    assert star["predicted_s"] == pytest.approx(3 * bound, rel=1e-3)  # the publisher's link, three copies
+    assert star["error"] == pytest.approx(abs(3 * bound - 3 * bound * 1.1) / (3 * bound * 1.1), abs=1e-3)
+    assert by["fanout ours readers=3"]["predicted_s"] < star["predicted_s"]
+
+
+def test_the_link_check_sets_the_efficiency():
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    half = [{"link": "node", "expect_mbit": NODE_MBIT, "achieved_mbit": NODE_MBIT / 2}]
+    rows, _ = calibrate.rows(quiet(), [("f.json", fanout_file([{"readers": 1, "star_s": 2 * bound}], half))])
+    assert rows[0]["predicted_s"] == pytest.approx(2 * bound, rel=1e-3)
+
+
+def test_other_benches_are_listed_as_skipped(tmp_path):
+    (tmp_path / "rl.json").write_text(json.dumps({"command": "th bench rl", "date": "d", "commit": "c",
+                                                  "result": {"workload": "standalone", "site": "testbed"}}))
+    (tmp_path / "notes.txt").write_text("not a measurement")
+    rows, skipped = calibrate.rows(quiet(), calibrate.measurements(tmp_path))
+    assert rows == [] and len(skipped) == 1 and skipped[0].startswith("rl.json")
+
+
+def test_cold_rows_are_not_compared():
+    doc = fanout_file([{"readers": 1, "star_s": 1.0}])
+    doc["result"]["warmup"] = False
+    rows, skipped = calibrate.rows(quiet(), [("cold.json", doc)])
+    assert rows == [] and "warm-up" in skipped[0]
+
+
+def test_a_file_without_its_command_is_refused(tmp_path):
+    (tmp_path / "bad.json").write_text(json.dumps({"result": {}}))
+    with pytest.raises(ValueError, match="bad.json.*command"):
+        calibrate.measurements(tmp_path)
