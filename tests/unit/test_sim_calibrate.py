@@ -33,11 +33,12 @@ def test_reader_placement_follows_the_bench():
     assert per == 4 and order[:3] == ["n2", "n5", "n3"]  # alternating racks, n1 is the publisher's
 
 
-def test_broadcast_is_a_binomial_tree_of_whole_sends():
+def test_broadcast_is_a_binomial_tree_whose_ranks_send_to_all_children_at_once():
     full = {"node": 1.0, "duplex": None, "rack": 1.0}
     bound = S * 8 / (NODE_MBIT * 1e6)
-    # 1 reader: one send; 3 readers: two rounds; 7 readers: three rounds (rack uplinks at 2x never bind here)
-    for readers, rounds in ((1, 1), (3, 2), (7, 3)):
+    # 1 reader: one send. 3: n1 sends to ranks 1 and 2 at once (2 S/B), then 1 -> 3 (3).
+    # 7: n1 -> 1, 2, 4 at once (3); 1 -> 3, 5 (5); 3 -> 7 (6). Rack uplinks at 2x never bind here.
+    for readers, rounds in ((1, 1), (3, 3), (7, 6)):
         t = calibrate.broadcast_time(readers=readers, nbytes=S, node_mbit=NODE_MBIT, rack_mbit=None, eff=full)
         assert t == pytest.approx(rounds * bound, rel=1e-6)
 
