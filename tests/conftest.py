@@ -44,8 +44,9 @@ def local_spec(tmp_path) -> Path:
     doc = yaml.safe_load((REPO / "specs" / "local.yaml").read_text())
     base = 100 + (free_port() % 100)
     doc["name"] = f"t{free_port()}"
-    doc["hub"]["port"] = free_port()
-    doc["hub"]["metrics_port"] = free_port()
+    doc["hub"]["port"] = port = free_port()
+    # (two calls may return the same free port: the spec rightly refuses equal ports)
+    doc["hub"]["metrics_port"] = next(p for p in iter(free_port, None) if p != port)
     doc["hub"]["heartbeat_s"] = 0.2
     doc["hub"]["expiry_s"] = 1.0
     for i, node in enumerate(doc["topology"]["datacenters"][0]["racks"][0]["nodes"]):

@@ -29,5 +29,6 @@ cluster scale, so a 2 TB version is 2,048 chunks and a 1,024-GPU run stays withi
 minutes); a transfer is a flow with no latency of its own (the plan round trip and the
 checksum are separate costs); rates are recomputed at most every ``quantum_frac`` of a
 chunk's transfer time; memory registration, process start and the engine's own CPU are
-not modelled.
+not modelled, except in calibration, where the testbed's one host is a link every
+transfer crosses, at the rate its measured CPU per byte allows (``calibrate.host_rate``).
 """

@@ -75,23 +75,38 @@ def efficiencies(params: SimParams, testbed: dict) -> dict[str, float]:
     return out
 
 
-def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[str, float]) -> Fabric:
+def host_rate(res: dict) -> float | None:
+    """Bytes per second the testbed's one host can move between its endpoint processes:
+    its cores ÷ the CPU seconds ours spent per byte a reader received, over every ours
+    row of the file (``ours_endpoint_cpu_s``, ``ours_cpu_floor_s``: the bench measures
+    the CPU beside the time). None for files without those keys."""
+    rows = [r for r in res.get("rows", ()) if r.get("ours_endpoint_cpu_s") and r.get("ours_cpu_floor_s")]
+    if not rows:
+        return None
+    cores = rows[0]["ours_endpoint_cpu_s"] / rows[0]["ours_cpu_floor_s"]
+    per_byte = sum(r["ours_endpoint_cpu_s"] for r in rows) / sum(res["bytes"] * r["readers"] for r in rows)
+    return cores / per_byte
+
+
+def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[str, float],
+            host_bytes_per_s: float | None = None) -> Fabric:
     return Fabric(gpus_per_node=1, nodes_per_rack=per_rack, nic_gbps=node_mbit / 1000, nvlink_gbps=node_mbit / 1000,
                   rack_uplink_gbps=rack_mbit / 1000 if rack_mbit else None, wan_gbps=None, efficiency=eff["node"],
-                  duplex_efficiency=eff["duplex"], uplink_efficiency=eff["rack"])
+                  duplex_efficiency=eff["duplex"], uplink_efficiency=eff["rack"], host_bytes_per_s=host_bytes_per_s)
 
 
 def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
                 node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
-                nodes: int | None = None, racks: int = 2) -> float:
+                nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None) -> float:
     """Seconds from the fetches' start until the last reader holds every chunk: the
-    publisher (and the hub) on n1, readers on the bench's reader nodes."""
+    publisher (and the hub) on n1, readers on the bench's reader nodes; with
+    ``host_bytes_per_s``, every transfer also shares the one host's CPU (``host_rate``)."""
     tb = params.testbed
     eff = eff or efficiencies(params, {})
     nodes = nodes or readers + 1
     per, order = testbed_layout(nodes, racks)
     fetch = tb.fetch.model_copy(update={"window": window})
-    world = World(params, [nodes], planner=planner, fetch=fetch, fabric=_fabric(per, node_mbit, rack_mbit, eff),
+    world = World(params, [nodes], planner=planner, fetch=fetch, fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s),
                   overhead_s=tb.request_overhead_s, exact=True)
     pub = world.endpoint("publisher", 0, "trainer")
     eps = [world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in order[:readers]]
@@ -148,6 +163,7 @@ def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
     eff = efficiencies(params, tb)
     shape = {"nbytes": res["bytes"], "node_mbit": rates["node"], "rack_mbit": rates.get("rack"), "eff": eff,
              "nodes": tb.get("nodes"), "racks": tb.get("racks", 2)}
+    host = host_rate(res)  # (gloo's CPU is not measured: the broadcast arm is predicted without it)
     out = []
     for row in res["rows"]:
         for arm, key in (("ours", "ours_s"), ("star", "star_s"), ("broadcast", "broadcast_s")):
@@ -157,7 +173,8 @@ def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
                 pred = broadcast_time(readers=row["readers"], **shape)
             else:
                 pred = fanout_time(params, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
-                                   window=res["window"], planner="ros" if arm == "ours" else "star", **shape)
+                                   window=res["window"], planner="ros" if arm == "ours" else "star",
+                                   host_bytes_per_s=host, **shape)
             meas = row[key]
             out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
                         "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})

@@ -37,6 +37,9 @@ class Fabric:
     # receives through one veth and one CPU, and gets less than each direction alone.
     duplex_efficiency: float | None = None
     uplink_efficiency: float | None = None  # rack and WAN links (None: ``efficiency``)
+    # One host runs every node (the namespace testbed): its cores move at most this many
+    # bytes per second in all, a link every transfer crosses (None: hosts never bind).
+    host_bytes_per_s: float | None = None
 
     @classmethod
     def of(cls, cluster) -> "Fabric":
@@ -81,6 +84,7 @@ class Topology:
         up_eff = efficiency if f.uplink_efficiency is None else f.uplink_efficiency
         both = gbps(2 * f.nic_gbps, f.duplex_efficiency) if f.duplex_efficiency else None
         both = both if both is not None and both < 2 * nic else None
+        self.host = net.link(f.host_bytes_per_s) if f.host_bytes_per_s else None
         node_no = rack_no = 0
         for d, count in enumerate(dcs):
             wan = gbps(wan_gbps, up_eff) if wan_gbps and len(dcs) > 1 else None
@@ -110,5 +114,5 @@ class Topology:
             links += [self.rack_up[a.rack_no], self.rack_down[b.rack_no]]
             if a.dc_no != b.dc_no:
                 links += [self.dc_up[a.dc_no], self.dc_down[b.dc_no]]
-        links.append(b.nic_in)
+        links += [b.nic_in, self.host]
         return tuple(x for x in links if x is not None)

@@ -84,3 +84,22 @@ def test_a_file_without_its_command_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"result": {}}))
     with pytest.raises(ValueError, match="bad.json.*command"):
         calibrate.measurements(tmp_path)
+
+
+def test_the_one_host_of_the_testbed_bounds_every_transfer_together():
+    full = {"node": 1.0, "duplex": None, "rack": 1.0}
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    common = dict(nbytes=S, chunk_bytes=1 << 20, window=4, node_mbit=NODE_MBIT, rack_mbit=None, eff=full)
+    # The host carries what 1.5 node links carry: 3 star readers need 3 S/B through n1's
+    # link and 2 S/B through the host: the link binds. At half a link the host binds.
+    for host, readers, expect in ((1.5, 1, 1), (1.5, 3, 3), (0.5, 1, 2), (0.5, 3, 6)):
+        t = calibrate.fanout_time(quiet(), readers=readers, planner="star",
+                                  host_bytes_per_s=host * NODE_MBIT * 1e6 / 8, **common)
+        assert t == pytest.approx(expect * bound, rel=0.02), (host, readers)
+
+
+def test_host_rate_is_cores_over_cpu_per_byte_received():
+    res = {"bytes": S, "rows": [{"readers": 1, "ours_endpoint_cpu_s": 0.5, "ours_cpu_floor_s": 0.25},
+                                {"readers": 3, "ours_endpoint_cpu_s": 1.5, "ours_cpu_floor_s": 0.75}]}
+    assert calibrate.host_rate(res) == pytest.approx(2 / (2.0 / (4 * S)))
+    assert calibrate.host_rate({"bytes": S, "rows": [{"readers": 1, "ours_s": 1.0}]}) is None
