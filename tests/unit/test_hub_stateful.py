@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
 from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault
-from tensorhub_cli.planner import serving_mask
+from tensorhub_cli.planner import copies, serving_mask
 
 from .hubkit import EXPIRY, info, manifest
 
@@ -689,6 +689,9 @@ class HubMachine(RuleBasedStateMachine):
         for number, v in self.hub.models.get(MODEL, {}).items():
             assert v.publishers == {n for n, r in v.replicas.items() if r.rank >= 0}, f"(i) v{number} publishers"
             assert v.sending == {s: serving_mask(c) for s, c in v.serving.items()}, f"(i) v{number} sending"
+            for dc, cached in v.spread.items():  # grown in place as readers gain chunks
+                fresh = copies(v.near.get(("dc", dc), ()), v.replicas, v.draining)
+                assert cached == fresh, f"(i) v{number} spread[{dc}] {cached} != {fresh}"
 
 
 HubMachine.TestCase.settings = settings(
