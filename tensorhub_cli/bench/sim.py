@@ -40,19 +40,20 @@ def _detail(arm: dict, keys: tuple[str, ...]) -> dict:
 _COMMON = ("version_s", "hub_cpu_s", "hub_busy_s", "hub_max_queue", "bytes_by_level", "from_trainer_bytes")
 
 
-def _arms(name: str, workload, wall: dict, *args, **kw) -> tuple[dict, dict]:
-    """Ours (ROS planner) then the baseline (star) of one workload, each timed into ``wall``."""
+def _arms(name: str, wall: dict, ours_run, base_run) -> tuple[dict, dict]:
+    """Ours, then the baseline, of one workload (each a no-argument call), each timed into ``wall``."""
     w0 = time.perf_counter()
-    ours = workload(*args[:1], "ros", *args[1:], **{k: v[0] for k, v in kw.items()})
+    ours = ours_run()
     w1 = time.perf_counter()
-    base = workload(*args[:1], "star", *args[1:], **{k: v[1] for k, v in kw.items()})
+    base = base_run()
     wall[f"{name}.ours"] = (w1 - w0, ours)
     wall[f"{name}.baseline"] = (time.perf_counter() - w1, base)
     return ours, base
 
 
 def _standalone(p: SimParams, t: int, r: int, wall: dict) -> dict:
-    ours, base = _arms("standalone", W.standalone, wall, p, t, r, barrier=(False, True))
+    ours, base = _arms("standalone", wall, lambda: W.standalone(p, "ros", t, r, barrier=False),
+                       lambda: W.standalone(p, "star", t, r, barrier=True))
     keys = (*_COMMON, "tp", "rollout_stall_s", "trainer_stall_s", "publish_s")
     return {"ours_stall_s": _r(ours["stall_s"]), "baseline_stall_s": _r(base["stall_s"]),
             "stall_ratio": _r(base["stall_s"] / ours["stall_s"], 3),
@@ -60,7 +61,7 @@ def _standalone(p: SimParams, t: int, r: int, wall: dict) -> dict:
 
 
 def _elastic(p: SimParams, t: int, r: int, wall: dict) -> dict:
-    ours, base = _arms("elastic", W.elastic, wall, p, t, r)
+    ours, base = _arms("elastic", wall, lambda: W.elastic(p, "ros", t, r), lambda: W.elastic(p, "star", t, r))
     keys = (*_COMMON, "tp", "standing_gpus", "joiner_gpus")
     return {"ours_update_s": _r(ours["update_s"]), "baseline_update_s": _r(base["update_s"]),
             "update_ratio": _r(base["update_s"] / ours["update_s"], 3),
@@ -68,7 +69,7 @@ def _elastic(p: SimParams, t: int, r: int, wall: dict) -> dict:
 
 
 def _cross_dc(p: SimParams, t: int, r: int, wall: dict) -> dict:
-    ours, base = _arms("cross_dc", W.cross_dc, wall, p, t, r)
+    ours, base = _arms("cross_dc", wall, lambda: W.cross_dc(p, "ros", t, r), lambda: W.cross_dc(p, "star", t, r))
     keys = (*_COMMON, "tp", "remote_version_s", "remote_stall_s", "local_stall_s", "local_gpus", "remote_gpus", "wan_copies")
     return {"ours_stall_s": _r(ours["remote_stall_s"]), "baseline_stall_s": _r(base["remote_stall_s"]),
             "stall_ratio": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),

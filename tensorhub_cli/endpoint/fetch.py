@@ -58,8 +58,11 @@ from .replica import Held
 
 log = logging.getLogger("tensorhub.fetch")
 
-# Free window slots are asked for again after REFILL_MIN_S, doubling up to REFILL_MAX_S
-# while plans grant nothing new (``Fetch._refill_later``).
+# A plan with nothing to read while nothing is in flight is asked again after IDLE_MIN_S,
+# doubling up to IDLE_MAX_S. Free window slots are asked for again after REFILL_MIN_S,
+# doubling up to REFILL_MAX_S while plans grant nothing new (``Fetch._refill_later``).
+# (The simulator's reader, ``sim/endpoint.py``, paces itself by these too.)
+IDLE_MIN_S, IDLE_MAX_S = 0.0002, 0.05
 REFILL_MIN_S, REFILL_MAX_S = 0.005, 0.08
 
 
@@ -123,7 +126,7 @@ class Fetch:
     def _loop(self) -> None:
         total = self.held.wanted
         self.asked: Asked | None = None
-        plan_due, idle = True, 0.0002
+        plan_due, idle = True, IDLE_MIN_S
         while True:
             now = time.monotonic()
             self._tick(now)
@@ -155,11 +158,11 @@ class Fetch:
                     if not planned.reads and not busy:
                         # Nothing to read yet (sources busy, a seed filling beyond a DC
                         # link): ask again soon, backing off to 50 ms.
-                        idle = min(idle * 2, 0.05)
+                        idle = min(idle * 2, IDLE_MAX_S)
                         time.sleep(idle)
                         plan_due = True
             if self._poll():
-                idle = 0.0002
+                idle = IDLE_MIN_S
             elif self.verifying and not self.inflight and self.asked is None:
                 # Only hashing left to wait for: wake the moment a checksum is ready.
                 wait([v.digest for v in self.verifying.values()], timeout=0.002, return_when=FIRST_COMPLETED)

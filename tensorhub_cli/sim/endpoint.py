@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+# The reader's pacing is endpoint/fetch.py's own (a light import: no torch, no sockets).
+from ..endpoint.fetch import IDLE_MAX_S as IDLE_MAX
+from ..endpoint.fetch import IDLE_MIN_S as IDLE_MIN
+from ..endpoint.fetch import REFILL_MAX_S, REFILL_MIN_S
 from ..hub import protocol as p
 
 if TYPE_CHECKING:
     from .world import World
-
-IDLE_MIN, IDLE_MAX = 0.0002, 0.05
-REFILL_MIN_S, REFILL_MAX_S = 0.005, 0.08  # endpoint/fetch.py: free window slots asked for again
 
 
 class SimEndpoint:
