@@ -82,6 +82,7 @@ import os
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -152,6 +153,8 @@ class Endpoint:
         self._registrations = Registrations(self.engine, reg_cache_bytes)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
+        self._claims: set[tuple[str, int]] = set()  # versions a fetch is setting up (``_claim``)
+        self._claiming = threading.Condition()
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s)
@@ -407,33 +410,34 @@ class Endpoint:
                                    deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
                                    timeout=timeout)
         resolved_at = time.monotonic()
-        held = self._replicas.get((model, resolved.version))
-        while held is not None and not held.complete and time.monotonic() < deadline:
-            # Another thread is fetching it (a retention pull beside a `th sync`, on their
-            # own workers): its outcome is ours, a complete replica or none.
-            time.sleep(0.05)
+        with self._claim((model, resolved.version), deadline):
             held = self._replicas.get((model, resolved.version))
-        if held is not None and held.complete and (
-                callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
-                <= {r.addr for r in held.placed.regions}):
-            streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
-            self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0,
-                               **metrics.stages(started, resolved_at, resolved_at, {}, time.monotonic())}
-            return resolved.version  # already a complete holder of it (in this memory, if one was given)
-        if held is not None:
-            raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
-                                "(or is still fetching it); unpublish it first")
-        if callable(into):  # a destination made to measure (agents' host copies)
-            into = into(resolved.shards)
-        # LayoutError here: nothing written, nothing held
-        placed = layouts.place(resolved.shards, into)
-        self._check_tier(placed, "into")
-        for old in [h for h in self._held() if h.overlaps(placed.regions)]:
-            self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-        self.zombies.wait_for((model, resolved.version), deadline, self._call)
-        held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
-                              layouts.registered(into))
-        self._add(held)
+            while held is not None and not held.complete and time.monotonic() < deadline:
+                # Another thread is fetching it (a retention pull beside a `th sync`, on their
+                # own workers): its outcome is ours, a complete replica or none.
+                time.sleep(0.05)
+                held = self._replicas.get((model, resolved.version))
+            if held is not None and held.complete and (
+                    callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
+                    <= {r.addr for r in held.placed.regions}):
+                streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
+                self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0,
+                                   **metrics.stages(started, resolved_at, resolved_at, {}, time.monotonic())}
+                return resolved.version  # already a complete holder of it (in this memory, if one was given)
+            if held is not None:
+                raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
+                                    "(or is still fetching it); unpublish it first")
+            if callable(into):  # a destination made to measure (agents' host copies)
+                into = into(resolved.shards)
+            # LayoutError here: nothing written, nothing held
+            placed = layouts.place(resolved.shards, into)
+            self._check_tier(placed, "into")
+            for old in [h for h in self._held() if h.overlaps(placed.regions)]:
+                self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
+            self.zombies.wait_for((model, resolved.version), deadline, self._call)
+            held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
+                                  layouts.registered(into))
+            self._add(held)
         set_up = time.monotonic()
         job = Fetch(self, held, deadline, window,
                     read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
@@ -451,6 +455,25 @@ class Endpoint:
         self.last_fetch = {**job.stats, **metrics.stages(started, resolved_at, set_up, job.times, time.monotonic())}
         metrics.observe(self.last_fetch)
         return resolved.version
+
+    @contextmanager
+    def _claim(self, key: tuple[str, int], deadline: float):
+        """One fetch of a version at a time between "is it held?" and holding it. Two
+        fetches of one version (a retention pull and a `th sync`, on the agent's two
+        workers) would otherwise both find it unheld, and the second to register would
+        fail "already holds" though the first would have served it."""
+        with self._claiming:
+            if not self._claiming.wait_for(lambda: key not in self._claims,
+                                           timeout=max(0.0, deadline - time.monotonic())):
+                raise EndpointError(f"{self.name} is still setting up another fetch of {key[0]}@{key[1]}; "
+                                    "gave up at the fetch's timeout")
+            self._claims.add(key)
+        try:
+            yield
+        finally:
+            with self._claiming:
+                self._claims.discard(key)
+                self._claiming.notify_all()
 
     def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
         """The service thread's beat: release zombies that let go (``Zombies.reap``)."""

@@ -189,6 +189,41 @@ def test_a_waiting_fetch_holds_up_no_other_call_of_its_endpoint(api):
     assert result.get("version") == 1, result
 
 
+def test_two_threads_fetching_one_version_both_end_holding_it_once(api):
+    """A retention pull and a `th sync` of one version run on an agent's two workers at
+    once. Both fetches must return it: the second waits for the first, whose replica is
+    its outcome. Before ``Endpoint._claim``, both found it unheld while making their
+    destination, and the second to register failed "already holds" (seen in CI)."""
+    from tensorhub_cli.layout import allocate
+
+    pub, reader = api("trainer"), api("agent")
+    pub.publish("policy", 1, weights(1))
+    made: list[str] = []
+
+    def slow_into(shards):  # an agent's store files take a while to make: the window of the race
+        made.append(threading.current_thread().name)
+        time.sleep(0.5)
+        return allocate(shards)
+
+    outcome: dict = {}
+
+    def fetch(who: str):
+        try:
+            outcome[who] = reader.fetch("policy", 1, into=slow_into, timeout=20)
+        except Exception as exc:  # reported to the test thread below
+            outcome[who] = exc
+
+    threads = [threading.Thread(target=fetch, args=(w,), name=w) for w in ("retain", "sync")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert outcome == {"retain": 1, "sync": 1}, outcome
+    assert len(made) == 1, f"both fetches made a destination: {made}"
+    held = [h for h in reader.holdings() if (h.model, h.version) == ("policy", 1)]
+    assert len(held) == 1 and held[0].rank < 0 and len(held[0].held) == sum(len(m.chunks) for m in held[0].shards)
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda ep, into: ep.fetch("policy", "lates", into=into), "version"),
     (lambda ep, into: ep.fetch("policy", 0, into=into), "version"),

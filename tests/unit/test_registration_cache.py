@@ -91,6 +91,7 @@ def bare_endpoint(engine: Engine, hub: Hub, cap: int | None = None) -> Endpoint:
     ep.read_timeout_s = ep.plan_timeout_s = ep.call_timeout_s = 5.0
     ep._lock = threading.Lock()
     ep._replicas = {}
+    ep._claims, ep._claiming = set(), threading.Condition()
     ep.served = Regions()
     ep.engine = ep.tcp = engine
     ep._call = hub
