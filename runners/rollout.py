@@ -24,7 +24,8 @@ Stall is time the rollout could have generated but waited on weights: in-place, 
 that moved bytes, and in the ``--barrier N`` baseline (a veRL-style global sync) the
 wait until N rollouts hold the version; double-buffered, the first fetch and then only
 the swaps. Waiting for the very first version to exist is ``wait_s``, not stall.
-``fetch_s`` is the fetch and check, whoever waited on it. Staleness is the newest
+``fetch_s`` is the fetch and check, whoever waited on it; ``loop_s`` the fetch's own loop
+(planning, transfers, checksums: ``LOOP_STAGES``), without placing memory or the check. Staleness is the newest
 version the hub knows minus the one held, at the start of each generation window.
 
 Events on stdout: ``loaded`` per version (stall, fetch, staleness, bytes),
@@ -49,6 +50,8 @@ from .common import add_common, emit, join, model_config, stop_on_signals, wait_
 log = logging.getLogger("tensorhub.rollout")
 PROMPTS = [[3, 14, 15, 92], [2, 71, 82, 81], [1, 41, 42, 13]]
 MISMATCH = 3
+# The fetch loop, placing and checking excluded: what the simulator models (sim.calibrate)
+LOOP_STAGES = ("plan_wait_s", "transfer_s", "verify_s")
 
 
 def newest(ep, model: str) -> int:
@@ -74,7 +77,8 @@ def loaded(ep, model: str, version: int, previous: int, began: float, stall: flo
            wait_s: float, buffers: int) -> None:
     emit("loaded", version=version, previous=previous, began=began, stall_s=stall, fetch_s=fetch_s,
          bytes=stats["bytes"], from_publishers=stats["from_publishers"], corrupt=stats["corrupt"],
-         failed=stats["failed"], wait_s=wait_s, staleness=max(0, newest(ep, model) - version), probe_ok=True,
+         failed=stats["failed"], loop_s=sum(stats.get(k, 0.0) for k in LOOP_STAGES), wait_s=wait_s,
+         staleness=max(0, newest(ep, model) - version), probe_ok=True,
          buffers=buffers)
 
 

@@ -38,7 +38,8 @@ them from generating: double-buffered, the first fetch and then the swaps),
 ``versions_loaded`` and ``loaded_versions`` (per rollout, which), ``tokens`` generated
 and ``tokens_per_gen_s`` (over the generation windows: what a background fetch costs
 generation on a shared CPU shows there),
-``mean_staleness`` / ``max_staleness`` (per generation window, weighted by its rounds:
+``loop_by_version`` and ``joiners_join_loop_s`` (each load's fetch loop, without memory
+placing or the check: what ``sim.calibrate`` predicts), ``mean_staleness`` / ``max_staleness`` (per generation window, weighted by its rounds:
 the trainer's newest version published when the window began minus the version it
 generated with), ``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout
 stall ÷ ours, and beside it ``versions_skipped``: versions the baseline's rollouts
@@ -81,6 +82,7 @@ class Knobs:
     rollout_s: float = 0.3
     engine: str = "nixl"
     chunk_mb: float = 4.0
+    window: int = 4  # each rollout's reads in flight
     double_buffer: bool = True  # ours: double-buffered rollouts (the baselines are in-place)
     timeout_s: float = 600.0
 
@@ -216,7 +218,7 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
     with hub(planner=planner, expiry_s=5.0, token=token, host=site.address(layout.trainer),
              prefix=site.prefix(layout.trainer)) as (address, _):
         common = ["--hub", address, "--token-file", str(token_file), "--engine", k.engine, *k.model_args()]
-        roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps),
+        roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps), "--window", str(k.window),
                 "--duration-s", str(k.timeout_s), *(["--double-buffer"] if k.double_buffer and not baseline else [])]
         runners: list[Runner] = []
 
@@ -283,6 +285,10 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
         **_joins(rollouts),
         "stall_by_version": {str(v): round(sum(e["stall_s"] for e in loaded if e["version"] == v), 4)
                              for v in sorted({e["version"] for e in loaded})},
+        # Each load's fetch loop (planning, transfers, checksums), per version: the
+        # figures the simulator predicts (sim.calibrate); rollouts in name order.
+        "loop_by_version": {str(v): [round(e.get("loop_s", 0.0), 4) for e in loaded if e["version"] == v]
+                            for v in sorted({e["version"] for e in loaded})},
         "versions_loaded": len(loaded),
         "loaded_versions": {r.name: [e["version"] for e in r.of("loaded")] for r in rollouts},
         "tokens": sum(e["tokens"] for r in rollouts for e in r.of("generated")),
@@ -336,7 +342,8 @@ def _joins(rollouts: list[Runner]) -> dict:
     firsts = [r.of("loaded")[0] for r in rollouts if r.name.startswith("rollout-spot") and r.of("loaded")]
     replicated = [e for e in firsts if any(s["version"] == e["version"] and s["t"] <= e["began"] for s in standing)]
     return {"joins": len(firsts), "joins_replicated": len(replicated),
-            "joiners_join_from_trainer_bytes": sum(e["from_publishers"] for e in replicated)}
+            "joiners_join_from_trainer_bytes": sum(e["from_publishers"] for e in replicated),
+            "joiners_join_loop_s": [round(e.get("loop_s", 0.0), 4) for e in replicated]}
 
 
 def _counters(address: str, token: str) -> dict[str, float]:
