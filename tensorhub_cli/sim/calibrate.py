@@ -10,8 +10,10 @@ the testbed the file names (its nodes, in 2 racks, one endpoint per node, the fi
 node and rack rates, readers placed in ``bench.fanout``'s order, publisher and hub on
 n1): ours (ROS planner) and star through the real hub, and the gloo broadcast arm as
 the binomial tree it is (network only). Registration and memory setup are not
-modelled: compare warm rows only (the bench warms up by default). Files of other
-benches are listed in ``skipped`` with the reason.
+modelled: compare warm rows only (the bench warms up by default). ``th bench rl
+--testbed`` (standalone, elastic) files: each load's fetch loop, on the bench's own
+placement (``_rl_rows``). Files of other benches are listed in ``skipped`` with the
+reason.
 
 Link efficiencies (one direction, both directions at once, rack uplinks) come from
 the testbed's own link check stored with each measurement (achieved ÷ expected per
@@ -95,26 +97,50 @@ def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[
                   duplex_efficiency=eff["duplex"], uplink_efficiency=eff["rack"], host_bytes_per_s=host_bytes_per_s)
 
 
+def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, planner: str, node_mbit: float,
+                   rack_mbit: float | None, eff: dict[str, float], host_bytes_per_s: float | None) -> World:
+    per, _ = testbed_layout(nodes, racks)
+    tb = params.testbed
+    fetch = tb.fetch.model_copy(update={"window": window})
+    return World(params, [nodes], planner=planner, fetch=fetch,
+                 fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s), overhead_s=tb.request_overhead_s,
+                 exact=True)
+
+
+def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk_bytes: int, window: int,
+               planner: str, node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
+               nodes: int = 8, racks: int = 2, host_bytes_per_s: float | None = None) -> list[list[float]]:
+    """Per round, each reader's fetch (seconds from its start until it holds every
+    chunk), readers named by testbed node ("n3"). The publisher (and the hub) on n1.
+    A round's readers start together once the round before has ended, and keep what
+    they fetched: later rounds may read from them (an RL joiner after the standing
+    rollouts). With ``host_bytes_per_s`` every transfer also shares the one host's CPU
+    (``host_rate``)."""
+    world = _testbed_world(params, nodes=nodes, racks=racks, window=window, planner=planner, node_mbit=node_mbit,
+                           rack_mbit=rack_mbit, eff=eff or efficiencies(params, {}), host_bytes_per_s=host_bytes_per_s)
+    pub = world.endpoint("publisher", 0, "trainer")
+    eps = [[world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in names] for names in rounds]
+    sc.register(world, [pub, *(ep for names in eps for ep in names)])
+    t0 = sc.publish(world, [pub], "fan", 1, sc.manifests(nbytes, 1, chunk_bytes))
+    out = []
+    for names in eps:
+        fetches = sc.fetch(world, [(ep, 0, t0) for ep in names], "fan", 1)
+        out.append([fetches[ep.name].ended - fetches[ep.name].started for ep in names])
+        t0 = world.loop.now
+    world.close()
+    return out
+
+
 def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
                 node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
                 nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None) -> float:
     """Seconds from the fetches' start until the last reader holds every chunk: the
-    publisher (and the hub) on n1, readers on the bench's reader nodes; with
-    ``host_bytes_per_s``, every transfer also shares the one host's CPU (``host_rate``)."""
-    tb = params.testbed
-    eff = eff or efficiencies(params, {})
+    fan-out bench's readers (``bench.fanout``'s order) all starting at once."""
     nodes = nodes or readers + 1
-    per, order = testbed_layout(nodes, racks)
-    fetch = tb.fetch.model_copy(update={"window": window})
-    world = World(params, [nodes], planner=planner, fetch=fetch, fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s),
-                  overhead_s=tb.request_overhead_s, exact=True)
-    pub = world.endpoint("publisher", 0, "trainer")
-    eps = [world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in order[:readers]]
-    sc.register(world, [pub, *eps])
-    t0 = sc.publish(world, [pub], "fan", 1, sc.manifests(nbytes, 1, chunk_bytes))
-    fetches = sc.fetch(world, [(ep, 0, t0) for ep in eps], "fan", 1)
-    world.close()
-    return max(f.ended for f in fetches.values()) - t0
+    _, order = testbed_layout(nodes, racks)
+    return max(loop_times(params, rounds=[order[:readers]], nbytes=nbytes, chunk_bytes=chunk_bytes, window=window,
+                          planner=planner, node_mbit=node_mbit, rack_mbit=rack_mbit, eff=eff, nodes=nodes,
+                          racks=racks, host_bytes_per_s=host_bytes_per_s)[0])
 
 
 def broadcast_time(*, readers: int, nbytes: int, node_mbit: float, rack_mbit: float | None,
@@ -181,16 +207,77 @@ def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
     return out
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> list[dict]:
+    """``th bench rl --testbed`` (standalone, elastic): each load's fetch loop
+    (``loop_by_version``, ``joiners_join_loop_s``: planning, transfers, checksums; not
+    placing memory, not the probe check, not generation), predicted on the same
+    placement (``bench.rl.testbed_layout``), payload, chunk size and window:
+    - standalone, ours: version 1, which every rollout fetches at once with nothing
+      else running (later versions are fetched while generating on the same cores);
+    - standalone, baseline: every version (in-place rollouts, all fetching at once
+      from the trainer: star);
+    - elastic: a joiner's first fetch of a version the two standing rollouts already
+      hold (ours: from them; baseline: from the trainer), each joiner alone.
+    Measured and predicted are means over the loads a row covers."""
+    from ..bench.rl import testbed_layout as rl_layout  # (the bench's own placement)
+
+    res = doc["result"]
+    k = res["knobs"]
+    nodes, racks = 8, 2  # (what ``bench.rl.run`` builds for these workloads)
+    per, _ = testbed_layout(nodes, racks)
+    state = {"nodes": [{"name": f"n{i + 1}", "rack": f"rack{i // per + 1}", "dc": "dc1"} for i in range(nodes)]}
+    placed = rl_layout(res["workload"], k["rollouts"], state).rollouts
+    shape = {"nbytes": res["ours"]["version_bytes"], "chunk_bytes": int(k["chunk_mb"] * (1 << 20)),
+             "window": k.get("window", 4), "node_mbit": res["rates_mbit"]["node"],
+             "rack_mbit": res["rates_mbit"].get("rack"), "eff": efficiencies(params, {"check": res.get("check")}),
+             "nodes": nodes, "racks": racks, "host_bytes_per_s": host}
+    out = []
+
+    def row(scenario: str, measured: list[float], predicted: float) -> None:
+        meas = _mean(measured)
+        out.append({"scenario": scenario, "measured_s": round(meas, 4), "predicted_s": round(predicted, 4),
+                    "error": round(abs(predicted - meas) / meas, 4), "source": name})
+
+    if res["workload"] == "standalone":
+        n = len(placed)
+        ours = loop_times(params, rounds=[placed], planner="ros", **shape)[0]
+        row(f"rl standalone ours v1 rollouts={n} (mean fetch loop)", res["ours"]["loop_by_version"]["1"], _mean(ours))
+        star = loop_times(params, rounds=[placed], planner="star", **shape)[0]
+        every = [x for xs in res["baseline"]["loop_by_version"].values() for x in xs]
+        row(f"rl standalone baseline every version rollouts={n} (mean fetch loop)", every, _mean(star))
+    else:
+        standing, joiners = placed[:2], placed[2:]
+        for arm, planner in (("ours", "ros"), ("baseline", "star")):
+            measured = res[arm].get("joiners_join_loop_s")
+            if not measured:
+                continue
+            pred = [loop_times(params, rounds=[standing, [j]], planner=planner, **shape)[1][0] for j in joiners]
+            row(f"rl elastic {arm} joiner of a replicated version (mean fetch loop)", measured, _mean(pred))
+    return out
+
+
 def rows(params: SimParams, files: list[tuple[str, dict]] | None = None) -> tuple[list[dict], list[str]]:
     """(rows, skipped): every modelled figure of the stored measurements."""
     files = measurements() if files is None else files
     out, skipped = [], []
+    # The host's rate is the machine's, measured beside the fan-out rows: the RL rows
+    # (same host, same engine, no CPU figure of their own) share it.
+    hosts = [h for _, doc in files if doc["result"].get("workload") == "fanout"
+             for h in [host_rate(doc["result"])] if h]
     for name, doc in files:
         res = doc["result"]
         if res.get("workload") == "fanout" and "testbed" in res and not res.get("warmup"):
             skipped.append(f"{name}: fanout rows without a warm-up (first-fetch registration is not modelled)")
         elif res.get("workload") == "fanout" and "testbed" in res:
             out += _fanout_rows(params, name, doc)
+        elif res.get("workload") in ("standalone", "elastic") and res.get("site") == "testbed" \
+                and "loop_by_version" in res.get("ours", {}):
+            out += _rl_rows(params, name, doc, _mean(hosts) if hosts else None)
         else:
             skipped.append(f"{name}: {res.get('workload', '?')} {'(testbed) ' if res.get('site') == 'testbed' else ''}"
                            "is not modelled yet")

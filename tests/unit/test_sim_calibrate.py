@@ -103,3 +103,42 @@ def test_host_rate_is_cores_over_cpu_per_byte_received():
                                 {"readers": 3, "ours_endpoint_cpu_s": 1.5, "ours_cpu_floor_s": 0.75}]}
     assert calibrate.host_rate(res) == pytest.approx(2 / (2.0 / (4 * S)))
     assert calibrate.host_rate({"bytes": S, "rows": [{"readers": 1, "ours_s": 1.0}]}) is None
+
+
+def rl_file(workload: str, arms: dict) -> dict:
+    full = [{"link": "node", "expect_mbit": NODE_MBIT, "achieved_mbit": NODE_MBIT},
+            {"link": "rack", "expect_mbit": 2 * NODE_MBIT, "achieved_mbit": 2 * NODE_MBIT}]
+    knobs = {"rollouts": 3, "chunk_mb": 1.0, "window": 4}
+    return {"command": f"th bench rl --workload {workload} --testbed --json", "date": "2026-01-01", "commit": "abc",
+            "result": {"workload": workload, "site": "testbed", "knobs": knobs, "check": full,
+                       "rates_mbit": {"node": NODE_MBIT, "rack": 2 * NODE_MBIT},
+                       **{arm: {"version_bytes": S, **fields} for arm, fields in arms.items()}}}
+
+
+def test_rl_standalone_rows_predict_each_arms_fetch_loop():
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    doc = rl_file("standalone", {"ours": {"loop_by_version": {"1": [bound, 1.2 * bound, 1.4 * bound]}},
+                                 "baseline": {"loop_by_version": {"1": [3 * bound] * 3, "2": [2.7 * bound] * 3}}})
+    rows, skipped = calibrate.rows(quiet(), [("rl.json", doc)])
+    by = {r["scenario"].split(" rollouts")[0]: r for r in rows}
+    assert skipped == [] and set(by) == {"rl standalone ours v1", "rl standalone baseline every version"}
+    base = by["rl standalone baseline every version"]
+    # Star: three rollouts share the trainer's link, each for the whole of it. Measured:
+    # the mean over every version's loads.
+    assert base["predicted_s"] == pytest.approx(3 * bound, rel=0.02)
+    assert base["measured_s"] == pytest.approx(2.85 * bound, rel=1e-3)
+    ours = by["rl standalone ours v1"]
+    assert ours["measured_s"] == pytest.approx(1.2 * bound, rel=1e-3)
+    assert bound * 0.99 < ours["predicted_s"] < 2 * bound  # relays: well under the star's three copies
+
+
+def test_rl_elastic_rows_predict_a_joiner_of_a_replicated_version():
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    doc = rl_file("elastic", {"ours": {"loop_by_version": {}, "joiners_join_loop_s": [bound, bound]},
+                              "baseline": {"loop_by_version": {}, "joiners_join_loop_s": [1.1 * bound]}})
+    rows, _ = calibrate.rows(quiet(), [("rl.json", doc)])
+    by = {r["scenario"]: r for r in rows}
+    # Alone, a joiner reads at its own link's rate whoever it reads from.
+    for arm in ("ours", "baseline"):
+        assert by[f"rl elastic {arm} joiner of a replicated version (mean fetch loop)"]["predicted_s"] == \
+            pytest.approx(bound, rel=0.02)
