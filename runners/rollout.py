@@ -24,9 +24,10 @@ Stall is time the rollout could have generated but waited on weights: in-place, 
 that moved bytes, and in the ``--barrier N`` baseline (a veRL-style global sync) the
 wait until N rollouts hold the version; double-buffered, the first fetch and then only
 the swaps. Waiting for the very first version to exist is ``wait_s``, not stall.
-``fetch_s`` is the fetch and check, whoever waited on it; ``loop_s`` the fetch's own loop
-(planning, transfers, checksums: ``LOOP_STAGES``), without placing memory or the check. Staleness is the newest
-version the hub knows minus the one held, at the start of each generation window.
+``fetch_s`` is the fetch and check, whoever waited on it; ``loop_s`` the fetch's own
+loop (planning, transfers, checksums: ``LOOP_STAGES``), without placing memory or the
+check. Staleness is the newest version the hub knows minus the one held, at the start
+of each generation window.
 
 Events on stdout: ``loaded`` per version (stall, fetch, staleness, bytes),
 ``generated`` per window (version, rounds, tokens), ``unpublished`` (double-buffered:

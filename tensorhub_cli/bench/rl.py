@@ -39,9 +39,9 @@ them from generating: double-buffered, the first fetch and then the swaps),
 and ``tokens_per_gen_s`` (over the generation windows: what a background fetch costs
 generation on a shared CPU shows there),
 ``loop_by_version`` and ``joiners_join_loop_s`` (each load's fetch loop, without memory
-placing or the check: what ``sim.calibrate`` predicts), ``mean_staleness`` / ``max_staleness`` (per generation window, weighted by its rounds:
-the trainer's newest version published when the window began minus the version it
-generated with), ``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout
+placing or the check: what ``sim.calibrate`` predicts), ``mean_staleness`` /
+``max_staleness`` (per generation window, weighted by its rounds: the trainer's newest
+version published when the window began minus the version it generated with), ``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout
 stall ÷ ours, and beside it ``versions_skipped``: versions the baseline's rollouts
 loaded that ours (the rollout of the same name) passed over, between its first and
 last load; ours trades those, and staleness, for stall.

@@ -222,7 +222,8 @@ def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> lis
     - standalone, baseline: every version (in-place rollouts, all fetching at once
       from the trainer: star);
     - elastic: a joiner's first fetch of a version the two standing rollouts already
-      hold (ours: from them; baseline: from the trainer), each joiner alone.
+      hold (ours: from them; baseline: from the trainer), each joiner alone, predicted
+      on every joiner node (the file's list does not say which joiner each load was).
     Measured and predicted are means over the loads a row covers."""
     from ..bench.rl import testbed_layout as rl_layout  # (the bench's own placement)
 
