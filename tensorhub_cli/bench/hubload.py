@@ -16,7 +16,8 @@ Phases, each a real exchange with the hub, nothing skipped or faked:
    queueing behind other requests. Every endpoint now holds the whole of v1.
 
 Prints one JSON object on stdout. The hub's CPU time over each phase (user + system,
-from psutil) tells whether the hub or this generator was the limit.
+from psutil: ``hub_cpu_s``, one version's whole wave, and ``hub_cpu_util``) tells
+whether the hub or this generator was the limit, and what a version cost the hub.
 """
 
 from __future__ import annotations
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             "depth": depth, "chunks": len(m.chunks), "seconds": round(elapsed, 3), "replies": wave.replies,
             "plans": wave.plans, "heartbeats": wave.heartbeats, "seed_waits": wave.waits, "errors": wave.errors,
             "ops_per_s": round(wave.replies / elapsed, 1), "hub_cpu_util": round(hub_cpu / elapsed, 3),
+            # The hub's CPU for the whole version (every reader holds it): what a planner
+            # change must lower. Ops/s alone rewards cheap plans, not finished versions.
+            "hub_cpu_s": round(hub_cpu, 3),
             "plan_p50_ms": round(percentile(wave.op_ms.get("plan", []), 0.50), 3),
             "plan_p99_ms": round(percentile(wave.op_ms.get("plan", []), 0.99), 3),
             "op_p50_ms": {op: round(percentile(ms, 0.50), 3) for op, ms in sorted(wave.op_ms.items())},

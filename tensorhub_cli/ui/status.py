@@ -121,13 +121,13 @@ def versions_table(versions: list[p.VersionStatus]):
 
 
 def render_bench_hub(console: Console, r: dict) -> None:
-    t = Table("phase", "in flight", "ops/s", "plan p50 ms", "plan p99 ms", "hub CPU", title=(
+    t = Table("phase", "in flight", "ops/s", "plan p50 ms", "plan p99 ms", "hub CPU", "hub CPU s / version", title=(
         f"hub bench: {r['endpoints']} endpoints, target p99 ≤ {r['target']['plan_p99_ms']} ms and "
         f"≥ {r['target']['ops_per_s']} ops/s: {'met' if r['target_met'] else 'missed'}"), title_justify="left")
     for phase in ("throughput", "latency"):
         ph = r[phase]
         t.add_row(phase, str(ph["depth"]), f"{ph['ops_per_s']:.0f}", f"{ph['plan_p50_ms']:.2f}",
-                  f"{ph['plan_p99_ms']:.2f}", f"{ph['hub_cpu_util']:.0%}")
+                  f"{ph['plan_p99_ms']:.2f}", f"{ph['hub_cpu_util']:.0%}", f"{ph['hub_cpu_s']:.2f}")
     console.print(t)
 
 

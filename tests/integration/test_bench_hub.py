@@ -26,6 +26,9 @@ def test_bench_hub_prints_the_agreed_keys_and_every_reader_completes():
     assert 0 < r["plan_p50_ms"] <= r["plan_p99_ms"] and r["ops_per_s"] > 0
     for phase in ("throughput", "latency"):
         assert r[phase]["errors"] == {} and r[phase]["plans"] > 0
+        ph = r[phase]  # the version's hub CPU: the utilisation over the wave's time
+        assert ph["hub_cpu_s"] > 0
+        assert abs(ph["hub_cpu_s"] - ph["hub_cpu_util"] * ph["seconds"]) < 0.01 + 0.01 * ph["hub_cpu_s"]
     assert r["hub_errors"] == {}
     # every simulated endpoint ended holding both versions completely
     assert [tuple(v) for v in r["versions"]] == [(1, "READY", 24), (2, "READY", 24)]
