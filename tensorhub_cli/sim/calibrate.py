@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from statistics import fmean
 from pathlib import Path
 
 from . import scenario as sc
@@ -47,8 +48,13 @@ def testbed_layout(nodes: int, racks: int) -> tuple[int, list[str]]:
     from ..bench.fanout import reader_order  # (the bench's own rule, so placement cannot drift)
 
     per = -(-nodes // racks)
-    state = {"nodes": [{"name": f"n{i + 1}", "rack": f"rack{i // per + 1}"} for i in range(nodes)]}
-    return per, reader_order(state)
+    return per, reader_order(testbed_state(nodes, per))
+
+
+def testbed_state(nodes: int, per_rack: int) -> dict:
+    """The nodes of a one-DC testbed as ``scripts/testbed`` records them (names, racks,
+    DC): what the benches' placement rules read."""
+    return {"nodes": [{"name": f"n{i + 1}", "rack": f"rack{i // per_rack + 1}", "dc": "dc1"} for i in range(nodes)]}
 
 
 def measurements(folder: Path | None = None) -> list[tuple[str, dict]]:
@@ -182,14 +188,15 @@ def _children(rank: int, world: int) -> list[int]:
     return out
 
 
-def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
+def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None) -> list[dict]:
+    """``host``: the file's ``host_rate`` (gloo's CPU is not measured: the broadcast arm
+    is predicted without it)."""
     res = doc["result"]
     tb = res["testbed"]
     rates = tb["rates_mbit"]
     eff = efficiencies(params, tb)
     shape = {"nbytes": res["bytes"], "node_mbit": rates["node"], "rack_mbit": rates.get("rack"), "eff": eff,
              "nodes": tb.get("nodes"), "racks": tb.get("racks", 2)}
-    host = host_rate(res)  # (gloo's CPU is not measured: the broadcast arm is predicted without it)
     out = []
     for row in res["rows"]:
         for arm, key in (("ours", "ours_s"), ("star", "star_s"), ("broadcast", "broadcast_s")):
@@ -205,11 +212,6 @@ def _fanout_rows(params: SimParams, name: str, doc: dict) -> list[dict]:
             out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
                         "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})
     return out
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs)
 
 
 def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> list[dict]:
@@ -231,8 +233,7 @@ def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> lis
     k = res["knobs"]
     nodes, racks = 8, 2  # (what ``bench.rl.run`` builds for these workloads)
     per, _ = testbed_layout(nodes, racks)
-    state = {"nodes": [{"name": f"n{i + 1}", "rack": f"rack{i // per + 1}", "dc": "dc1"} for i in range(nodes)]}
-    placed = rl_layout(res["workload"], k["rollouts"], state).rollouts
+    placed = rl_layout(res["workload"], k["rollouts"], testbed_state(nodes, per)).rollouts
     shape = {"nbytes": res["ours"]["version_bytes"], "chunk_bytes": int(k["chunk_mb"] * (1 << 20)),
              "window": k.get("window", 4), "node_mbit": res["rates_mbit"]["node"],
              "rack_mbit": res["rates_mbit"].get("rack"), "eff": efficiencies(params, {"check": res.get("check")}),
@@ -240,17 +241,17 @@ def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> lis
     out = []
 
     def row(scenario: str, measured: list[float], predicted: float) -> None:
-        meas = _mean(measured)
+        meas = fmean(measured)
         out.append({"scenario": scenario, "measured_s": round(meas, 4), "predicted_s": round(predicted, 4),
                     "error": round(abs(predicted - meas) / meas, 4), "source": name})
 
     if res["workload"] == "standalone":
         n = len(placed)
         ours = loop_times(params, rounds=[placed], planner="ros", **shape)[0]
-        row(f"rl standalone ours v1 rollouts={n} (mean fetch loop)", res["ours"]["loop_by_version"]["1"], _mean(ours))
+        row(f"rl standalone ours v1 rollouts={n} (mean fetch loop)", res["ours"]["loop_by_version"]["1"], fmean(ours))
         star = loop_times(params, rounds=[placed], planner="star", **shape)[0]
         every = [x for xs in res["baseline"]["loop_by_version"].values() for x in xs]
-        row(f"rl standalone baseline every version rollouts={n} (mean fetch loop)", every, _mean(star))
+        row(f"rl standalone baseline every version rollouts={n} (mean fetch loop)", every, fmean(star))
     else:
         standing, joiners = placed[:2], placed[2:]
         for arm, planner in (("ours", "ros"), ("baseline", "star")):
@@ -258,7 +259,7 @@ def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> lis
             if not measured:
                 continue
             pred = [loop_times(params, rounds=[standing, [j]], planner=planner, **shape)[1][0] for j in joiners]
-            row(f"rl elastic {arm} joiner of a replicated version (mean fetch loop)", measured, _mean(pred))
+            row(f"rl elastic {arm} joiner of a replicated version (mean fetch loop)", measured, fmean(pred))
     return out
 
 
@@ -268,17 +269,17 @@ def rows(params: SimParams, files: list[tuple[str, dict]] | None = None) -> tupl
     out, skipped = [], []
     # The host's rate is the machine's, measured beside the fan-out rows: the RL rows
     # (same host, same engine, no CPU figure of their own) share it.
-    hosts = [h for _, doc in files if doc["result"].get("workload") == "fanout"
-             for h in [host_rate(doc["result"])] if h]
+    hosts = {name: host_rate(doc["result"]) for name, doc in files if doc["result"].get("workload") == "fanout"}
+    known = [h for h in hosts.values() if h]
     for name, doc in files:
         res = doc["result"]
         if res.get("workload") == "fanout" and "testbed" in res and not res.get("warmup"):
             skipped.append(f"{name}: fanout rows without a warm-up (first-fetch registration is not modelled)")
         elif res.get("workload") == "fanout" and "testbed" in res:
-            out += _fanout_rows(params, name, doc)
+            out += _fanout_rows(params, name, doc, hosts[name])
         elif res.get("workload") in ("standalone", "elastic") and res.get("site") == "testbed" \
                 and "loop_by_version" in res.get("ours", {}):
-            out += _rl_rows(params, name, doc, _mean(hosts) if hosts else None)
+            out += _rl_rows(params, name, doc, fmean(known) if known else None)
         else:
             skipped.append(f"{name}: {res.get('workload', '?')} {'(testbed) ' if res.get('site') == 'testbed' else ''}"
                            "is not modelled yet")

@@ -16,6 +16,8 @@ from typing import Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..spec.model import require_beats
+
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "specs" / "sim.yaml"
 
 
@@ -83,8 +85,7 @@ class HubParams(Strict):
 
     @model_validator(mode="after")
     def _beats(self) -> "HubParams":
-        if self.expiry_s < 2 * self.heartbeat_s:
-            raise ValueError("expiry_s must be at least twice heartbeat_s, or one late beat expires a live endpoint")
+        require_beats(self.expiry_s, self.heartbeat_s, "endpoint")
         return self
 
 

@@ -37,9 +37,15 @@ class HubSpec(Strict):
 
     @model_validator(mode="after")
     def _expiry_covers_heartbeats(self) -> "HubSpec":
-        if self.expiry_s < 2 * self.heartbeat_s:
-            raise ValueError("expiry_s must be at least twice heartbeat_s, or one late beat expires a live node")
+        require_beats(self.expiry_s, self.heartbeat_s, "node")
         return self
+
+
+def require_beats(expiry_s: float, heartbeat_s: float, what: str) -> None:
+    """The hub's expiry must outlast two heartbeats (contract 6), else one late beat
+    expires a live ``what``: a spec's hub and the simulator's hub are held to it alike."""
+    if expiry_s < 2 * heartbeat_s:
+        raise ValueError(f"expiry_s must be at least twice heartbeat_s, or one late beat expires a live {what}")
 
 
 class AuthSpec(Strict):
