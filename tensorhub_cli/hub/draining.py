@@ -51,6 +51,7 @@ def forget_replica(v: Version, name: str, place: Place | None) -> None:
     for tiles in v.layouts.values():
         tiles.pop(name, None)
     v.respread()
+    v.holding.drop(name)
     if place is not None:
         leave(v.near, place, name)
 

@@ -86,8 +86,10 @@ def assemble(hub: HubState, v: Version) -> None:
 
 
 def index(hub: HubState, v: Version, name: str) -> None:
-    """``name`` holds chunks of ``v``: plans near it will find it."""
-    join(v.near, hub.endpoints[name].place, name)
+    """``name`` holds chunks of ``v`` (more than when last indexed): plans near it will find it."""
+    place = hub.endpoints[name].place
+    join(v.near, place, name)
+    v.holding.add(name, place.dc, v.replicas[name].held)
 
 
 def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:

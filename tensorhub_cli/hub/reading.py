@@ -63,7 +63,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
             Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls,
                    v.layouts.get(op.layout, {}) if op.layout else {}),
             Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
-                    v.serving, v.spread, v.sending),
+                    v.serving, v.spread, v.sending, v.holding),
             Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
             hub.asking,
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from ..planner import HolderIndex
 from . import protocol as p
 
 STAGING, READY, UNAVAILABLE = "STAGING", "READY", "UNAVAILABLE"
@@ -76,6 +77,9 @@ class Version:
     # Replicas holding anything, by topology group (node, rack, DC), kept by the hub so a
     # plan walks the holders near its reader instead of every endpoint there.
     near: dict[tuple, set[str]] = field(default_factory=dict)
+    # The same holders per DC by chunk, so a plan walks only those holding a chunk its
+    # reader needs (``planner.HolderIndex``; kept with ``near``).
+    holding: HolderIndex = field(default_factory=HolderIndex)
     # Per DC, the chunks its readers (not publishers) hold and may serve, and those two
     # or more of them hold (``planner.copies``): a publisher need not send these into
     # that DC again. Filled by the planner on demand; dropped whole when a reader loses

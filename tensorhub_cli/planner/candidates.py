@@ -5,6 +5,8 @@ the holders seen can fill the reader's window (``choose``), so a plan costs abou
 the size of the reader's own rack, not of the cluster. Levels 0–2 walk the version's
 holders in the reader's node, rack and DC (``Sources.near_holders``); level 3 is the
 rest of the version's replicas, built only when the reader may cross its DC link.
+The rack and DC levels walk only the holders that ``HolderIndex.relevant`` says hold
+a needed chunk, where it says that is cheaper: the same candidates, fewer names.
 
 While it walks, the walk notes the needed chunks that only busy holders have
 (``busy_held``: sources at their share, publishers withholding relayed chunks,
@@ -23,6 +25,7 @@ from typing import Collection, Iterator, Mapping, Protocol
 
 from .choose import Candidate
 from .fairness import UNCAPPED, Asking, room
+from .holders import HolderIndex
 from .rules import Holding, copies, full_held, serving_mask, withheld
 from .topology import Place, groups, level_between
 
@@ -67,6 +70,7 @@ class Sources:
     # ``serving`` as bitsets (source -> chunks it is sending), if the caller keeps them
     # (the hub does, in pin and unpin); else built from ``serving`` once per walk.
     sending: Mapping[str, int] | None = None
+    holding: HolderIndex | None = None  # ``near_holders`` by DC and chunk, if the caller keeps it
 
 
 @dataclass(slots=True)
@@ -81,6 +85,8 @@ class Walk:
     def __init__(self, reader: Reader, sources: Sources, limits: Limits, asking: Asking):
         self.reader, self.sources, self.limits, self.asking = reader, sources, limits, asking
         self.busy_held = 0  # needed chunks only busy holders have, filled level by level
+        self._relevant: set[str] | None = None  # ``HolderIndex.relevant``, asked once a walk needs it
+        self._asked = False
         self.sending = sources.sending if sources.sending is not None else {
             name: serving_mask(chunks) for name, chunks in sources.serving.items()}
 
@@ -118,10 +124,27 @@ class Walk:
         # last level's set difference is over every replica of the version.
         inner: Collection[str] = _NONE
         for n, key in enumerate(keys):
-            yield n, self._gather(n, s.near_holders.get(key, _NONE), inner)
+            yield n, self._gather(n, self._near(n, key), inner)
             inner = s.near_endpoints.get(key, _NONE)
         if may_cross:  # else ``choose`` stops before this level
             yield len(keys), self._gather(len(keys), s.replicas.keys(), inner)
+
+    def _near(self, n: int, key: tuple) -> Collection[str]:
+        """The version's holders in topology group ``key`` that may hold a needed chunk:
+        all of them, or (rack and DC, where the index is cheaper) those the index names.
+        (A holder left out holds none: the walk would reject it first thing, with no
+        effect on the plan.)"""
+        s, r = self.sources, self.reader
+        names = s.near_holders.get(key, _NONE)
+        # A node has a few holders, and a reader with tiles of its own layout needs
+        # holders of those tiles, which the index does not keep: both walk.
+        if n == 0 or s.holding is None or r.extra or not names:
+            return names
+        if not self._asked:
+            self._asked = True
+            dc = r.place.dc
+            self._relevant = s.holding.relevant(dc, r.needed, len(s.near_holders.get(("dc", dc), _NONE)))
+        return names if self._relevant is None else self._relevant & names
 
     def _gather(self, n: int, names, inner: Collection[str] | None = None) -> Iterator[Candidate]:
         """The eligible holders among ``names`` (less ``inner`` and the full sources,

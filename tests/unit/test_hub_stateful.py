@@ -692,6 +692,14 @@ class HubMachine(RuleBasedStateMachine):
             for dc, cached in v.spread.items():  # grown in place as readers gain chunks
                 fresh = copies(v.near.get(("dc", dc), ()), v.replicas, v.draining)
                 assert cached == fresh, f"(i) v{number} spread[{dc}] {cached} != {fresh}"
+            holders: dict = {}  # (dc, chunk) -> its holders there, as ``v.holding`` must have them
+            for name, rep in v.replicas.items():
+                for chunk in range(v.nchunks):
+                    if rep.held >> chunk & 1:
+                        holders.setdefault((self.hub.endpoints[name].place.dc, chunk), set()).add(name)
+            indexed = {(dc, chunk): v.holding.holders(dc, chunk) for dc in v.holding.dcs()
+                       for chunk in range(v.nchunks) if v.holding.holders(dc, chunk)}
+            assert indexed == holders, f"(i) v{number} holding {indexed} != {holders}"
 
 
 HubMachine.TestCase.settings = settings(
