@@ -94,8 +94,11 @@ class Walk:
         """Draining replicas take no new reads, except the retention copy of themselves."""
         return () if self.reader.retention_pull else self.sources.draining
 
-    def deferred(self, want: int) -> int:
-        """Chunks of ``want`` that wait for busy holders in the reader's DC."""
+    def deferred(self, want: int, enough: int = 0) -> int:
+        """Chunks of ``want`` that wait for busy holders in the reader's DC; only those
+        the walk noted when they are ``enough`` already (``choose`` then stops)."""
+        if enough > 0 and (self.busy_held & want).bit_count() >= enough:
+            return self.busy_held
         s, lim = self.sources, self.limits
         in_dc = s.full & s.near_holders.get(("dc", self.reader.place.dc), set())
 

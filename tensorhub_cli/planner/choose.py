@@ -57,7 +57,7 @@ class PlanResult:
 
 
 def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iterable[Candidate]]],
-           may_cross: bool, deferred=lambda want: 0) -> PlanResult:
+           may_cross: bool, deferred=lambda want, enough=0: 0) -> PlanResult:
     """Assign up to ``limit`` chunks of ``needed`` (a bitset) to candidates.
 
     ``levels`` yields ``(level, candidates)`` cheapest level first, and is consumed only
@@ -72,6 +72,9 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     a DC link (contract 8: cost before load). Inside a DC a busy cheaper holder
     does not hold a reader back: a rack uplink has room for it, and waiting idles
     the publisher's rack (docs/design.md, "Measurements behind the defaults").
+    ``deferred(want, enough)`` may answer part of that mask once the part holds
+    ``enough`` chunks of ``want``: that many already end the walk before the dearer
+    level, as the whole mask would.
     """
     if limit <= 0 or not needed:
         return PlanResult()
@@ -83,7 +86,7 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     for level, candidates in levels:
         if level == REMOTE and not may_cross:
             break
-        block = deferred(needed & ~covered) if level == REMOTE else 0
+        block = deferred(needed & ~covered, enough - (needed & covered).bit_count()) if level == REMOTE else 0
         if (needed & (covered | block)).bit_count() >= enough:
             exhausted = False
             break
@@ -121,7 +124,7 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     # cross a DC link (cost before load, as for ``deferred``).
     reserved = [0] * (REMOTE + 1)
     while heap and left and len(result.assigned) < limit:
-        *_, i = heapq.heappop(heap)
+        i = heapq.heappop(heap)[-1]
         cand = ranked[i]
         mine = left & cand.held
         if cand.level == REMOTE:

@@ -97,7 +97,7 @@ def test_a_reader_that_may_not_cross_waits_for_chunks_only_another_dc_has():
 def test_deferred_chunks_never_cross_a_dc_link():
     remote = Candidate("remote", 0b1111, REMOTE, 0)
     result = choose(needed=0b1111, start=0, limit=4, levels=[(2, []), (REMOTE, [remote])], may_cross=True,
-                    deferred=lambda want: want & 0b0011)  # busy in-DC holders have chunks 0 and 1
+                    deferred=lambda want, enough=0: want & 0b0011)  # busy in-DC holders have chunks 0 and 1
     assert sorted(c for c, _, _ in result.assigned) == [2, 3]
 
 

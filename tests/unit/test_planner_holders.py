@@ -1,5 +1,6 @@
-"""The holder index (``planner.HolderIndex``): what ``relevant`` may answer, and that a
-walk narrowed by it plans exactly what the full walk plans."""
+"""The walk's shortcuts: what the holder index (``planner.HolderIndex``) may answer, and
+that a walk narrowed by it, or a ``deferred`` answer cut short, plans exactly what the
+full walk plans."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def cluster(draw):
     )
 
 
-def plan(c, index_class=None):
+def plan(c, index_class=None, whole_deferred=False):
     near_holders, near_endpoints = {}, {}
     for name, place in c["places"].items():
         join(near_endpoints, place, name)
@@ -134,8 +135,9 @@ def plan(c, index_class=None):
                       c["full"], c["serving"], {}, sending, holding)
     reader = Reader("me", c["places"]["me"], c["needed"], dict(c["mine"]), c["avoid"])
     walk = Walk(reader, sources, Limits(now=0.0, expiry_s=5.0, cap=4), Asking())
+    deferred = (lambda want, enough=0: walk.deferred(want)) if whole_deferred else walk.deferred
     result = choose(needed=c["needed"], start=c["start"], limit=c["limit"], levels=walk.levels(c["may_cross"]),
-                    may_cross=c["may_cross"], deferred=walk.deferred)
+                    may_cross=c["may_cross"], deferred=deferred)
     return result, walk
 
 
@@ -147,3 +149,26 @@ def test_a_walk_narrowed_by_the_index_plans_what_the_full_walk_plans(c):
     assert walk._relevant is not None or not walk._asked  # narrowed wherever it asked the index
     assert narrowed.assigned == full.assigned and narrowed.waiting == full.waiting
     assert walk.busy_held == whole.busy_held
+
+
+@settings(max_examples=500, deadline=None)
+@given(cluster())
+def test_a_deferred_answer_cut_short_plans_what_the_whole_answer_plans(c):
+    whole, _ = plan(c, whole_deferred=True)
+    short, _ = plan(c)
+    assert short.assigned == whole.assigned and short.waiting == whole.waiting
+
+
+def test_deferred_stops_at_the_busy_chunks_once_they_are_enough():
+    # The relay is sending chunks 0 and 1 to others (busy); the capped source, at its
+    # read cap, holds 2 and 3 (``full_held``).
+    reps = {"relay": Rep(0b0011), "capped": Rep(0b1100)}
+    places = {"me": NODES[0], "relay": NODES[2], "capped": NODES[3]}
+    c = dict(places=places, replicas=reps, load={"relay": 2, "capped": 4}, full={"capped"},
+             serving={"relay": {0: 1, 1: 1}}, draining=set(), dead=set(), needed=0b1111, avoid=set(), mine={},
+             may_cross=True, limit=4, start=0)
+    result, walk = plan(c)
+    assert result.assigned == [] and walk.busy_held == 0b0011
+    assert walk.deferred(0b1111, enough=2) == 0b0011  # two busy chunks are enough: the capped source is not asked
+    assert walk.deferred(0b1111, enough=3) == 0b1111
+    assert walk.deferred(0b1111) == 0b1111
