@@ -8,9 +8,10 @@ the holders worth walking are the union of the needed chunks' sets.
 
 That union is cheap when the needed chunks are few or rare and dear when they are
 many and common (a joiner of a version every holder has whole), so ``relevant``
-gives up (None) as soon as the union reaches half the DC's holders, or when it would
-visit more chunks than the walk visits names; the caller then walks. Either way a plan gets the same candidates: the index leaves out
-only holders that hold none of the needed chunks, which the walk rejects first thing
+gives up (None) as soon as the union passes half the DC's holders, or at once when
+visiting the needed chunks would cost more than the walk (``CHUNK_COST``); the caller
+then walks. Either way a plan gets the same candidates: the index leaves out only
+holders that hold none of the needed chunks, which the walk rejects first thing
 (``Walk._gather``), with no effect on the plan.
 
 Protocol (kept by the hub): ``add`` each time a replica's chunks grow (they only
@@ -21,6 +22,7 @@ is in the set of every chunk it holds there, and in no other.
 from __future__ import annotations
 
 CHUNK_COST = 4  # walked names a chunk visited by ``relevant`` costs, about
+
 
 def _bits(mask: int):
     while mask:
@@ -70,9 +72,9 @@ class HolderIndex:
         want = needed & self._held.get(dc, 0)
         if not want:
             return set()
-        # Measured on `th bench hub` and `th bench sim`: a chunk visited costs a few
-        # walked names, and a union past half the DC's holders saves less than it
-        # costs, so either way the plan walks instead.
+        # Rules chosen on `th bench hub` and `th bench sim` (docs/design.md): a looser
+        # one (a union of up to 4 names per holder in the DC) cost whole-version
+        # readers 12 %, as sizing and joining big sets cost more than walking them.
         if want.bit_count() * CHUNK_COST > walked:
             return None
         by_chunk, most, union = self._by_chunk[dc], walked // 2, set()
