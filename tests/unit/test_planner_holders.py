@@ -23,7 +23,7 @@ def test_relevant_names_exactly_the_holders_of_the_needed_chunks_in_the_dc():
     index = HolderIndex()
     for i in range(64):
         index.add(f"h{i}", "dc0", 0b1111 << 4 * (i % 8))
-    index.add("far", "dc1", -1 & (1 << 32) - 1)
+    index.add("far", "dc1", (1 << 32) - 1)  # another DC holds everything: not offered
     got = index.relevant("dc0", 0b1111 << 12, walked=64)
     assert got == {f"h{i}" for i in range(64) if i % 8 == 3}
     assert index.relevant("dc0", 0, walked=64) == set()
