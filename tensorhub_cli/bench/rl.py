@@ -41,10 +41,11 @@ generation on a shared CPU shows there),
 ``loop_by_version`` and ``joiners_join_loop_s`` (each load's fetch loop, without memory
 placing or the check: what ``sim.calibrate`` predicts), ``mean_staleness`` /
 ``max_staleness`` (per generation window, weighted by its rounds: the trainer's newest
-version published when the window began minus the version it generated with), ``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout
-stall ÷ ours, and beside it ``versions_skipped``: versions the baseline's rollouts
-loaded that ours (the rollout of the same name) passed over, between its first and
-last load; ours trades those, and staleness, for stall.
+version published when the window began minus the version it generated with),
+``probe_mismatches``. Across arms: ``stall_ratio`` = baseline rollout stall ÷ ours,
+and beside it ``versions_skipped``: versions the baseline's rollouts loaded that ours
+(the rollout of the same name) passed over, between its first and last load; ours
+trades those, and staleness, for stall.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ from .rig import RigError, hub
 from .testbed import Site, testbed
 
 WORKLOADS = ("standalone", "elastic", "cross-dc")
+# The testbed these workloads run on (cross-dc: 2 DCs of 2 racks each), which
+# ``sim.calibrate`` rebuilds to predict the stored runs.
+TESTBED_NODES, TESTBED_RACKS = 8, 2
 LEVELS = ("node", "rack", "dc", "remote")
 
 
@@ -365,8 +369,9 @@ def run(workload: str, knobs: Knobs | None = None, on_testbed: bool = False) -> 
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="th-bench-rl-"))
         if on_testbed:
-            flags = ["--dcs", "2", "--racks", "4"] if workload == "cross-dc" else ["--racks", "2"]
-            state = stack.enter_context(testbed(8, *flags))
+            flags = ["--dcs", "2", "--racks", str(2 * TESTBED_RACKS)] if workload == "cross-dc" \
+                else ["--racks", str(TESTBED_RACKS)]
+            state = stack.enter_context(testbed(TESTBED_NODES, *flags))
             layout = testbed_layout(workload, k.rollouts, state)
             where = {"site": "testbed", "rates_mbit": state["rates_mbit"], "check": state["check"]}
         else:

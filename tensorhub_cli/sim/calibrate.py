@@ -227,11 +227,11 @@ def _rl_rows(params: SimParams, name: str, doc: dict, host: float | None) -> lis
       hold (ours: from them; baseline: from the trainer), each joiner alone, predicted
       on every joiner node (the file's list does not say which joiner each load was).
     Measured and predicted are means over the loads a row covers."""
-    from ..bench.rl import testbed_layout as rl_layout  # (the bench's own placement)
+    from ..bench.rl import TESTBED_NODES, TESTBED_RACKS, testbed_layout as rl_layout  # (the bench's own)
 
     res = doc["result"]
     k = res["knobs"]
-    nodes, racks = 8, 2  # (what ``bench.rl.run`` builds for these workloads)
+    nodes, racks = TESTBED_NODES, TESTBED_RACKS
     per, _ = testbed_layout(nodes, racks)
     placed = rl_layout(res["workload"], k["rollouts"], testbed_state(nodes, per)).rollouts
     shape = {"nbytes": res["ours"]["version_bytes"], "chunk_bytes": int(k["chunk_mb"] * (1 << 20)),
