@@ -4,9 +4,9 @@ A plan asks ``Walk.levels()`` for holders cheapest level first and stops as soon
 the holders seen can fill the reader's window (``choose``), so a plan costs about
 the size of the reader's own rack, not of the cluster. Levels 0–2 walk the version's
 holders in the reader's node, rack and DC (``Sources.near_holders``); level 3 is the
-rest of the version's replicas, built only when the reader may cross its DC link.
-The rack and DC levels walk only the holders that ``HolderIndex.relevant`` says hold
-a needed chunk, where it says that is cheaper: the same candidates, fewer names.
+holders in the other DCs, walked only when the reader may cross its DC link. The
+rack, DC and other-DC levels walk only the holders that ``HolderIndex.relevant`` says
+hold a needed chunk, where it says that is cheaper: the same candidates, fewer names.
 
 While it walks, the walk notes the needed chunks that only busy holders have
 (``busy_held``: sources at their share, publishers withholding relayed chunks,
@@ -87,6 +87,7 @@ class Walk:
         self.busy_held = 0  # needed chunks only busy holders have, filled level by level
         self._relevant: set[str] | None = None  # ``HolderIndex.relevant``, asked once a walk needs it
         self._asked = False
+        self._full_publishers: Collection[str] = _NONE  # publishers at their read cap (``levels``)
         self.sending = sources.sending if sources.sending is not None else {
             name: serving_mask(chunks) for name, chunks in sources.serving.items()}
 
@@ -99,14 +100,20 @@ class Walk:
         the walk noted when they are ``enough`` already (``choose`` then stops)."""
         if enough > 0 and (self.busy_held & want).bit_count() >= enough:
             return self.busy_held
-        s, lim = self.sources, self.limits
-        in_dc = s.full & s.near_holders.get(("dc", self.reader.place.dc), set())
+        s, lim, closed = self.sources, self.limits, self.closed()
+        want &= ~self.busy_held
+        in_dc = s.near_holders.get(("dc", self.reader.place.dc), _NONE)
 
         def alive(name: str) -> bool:
             ep = s.endpoints.get(name)
             return ep is not None and lim.now - ep.last_seen <= lim.expiry_s
 
-        return self.busy_held | full_held(in_dc, s.replicas, want & ~self.busy_held, self.closed(), alive)
+        # Full publishers first: they hold whole shards, so they alone often hold all of
+        # ``want``, and the DC's other full sources (hundreds, mid-fan-out) go unvisited.
+        held = full_held([n for n in self._full_publishers if n in in_dc], s.replicas, want, closed, alive)
+        if held != want:
+            held |= full_held(s.full & in_dc, s.replicas, want & ~held, closed, alive)
+        return self.busy_held | held
 
     def levels(self, may_cross: bool) -> Iterator[tuple[int, Iterator[Candidate]]]:
         s, r = self.sources, self.reader
@@ -115,7 +122,8 @@ class Walk:
             yield 0, self._gather(0, s.replicas)
             return
         # A reader turned away by a full publisher still asked for it.
-        for name in s.full.intersection(s.publishers):
+        self._full_publishers = s.full.intersection(s.publishers)
+        for name in self._full_publishers:
             if s.replicas[name].held & r.needed:
                 self.asking.note(name, r.name, self.limits.now)
         # Holders come from the version's index; what is cut out as a cheaper level
@@ -124,13 +132,31 @@ class Walk:
         # Full sources are skipped here; ``deferred`` accounts for their chunks. A level's
         # set is taken only once ``choose`` walks it (a generator's body runs on its
         # first ``next``): ``choose`` often stops at a level's coverage check, and the
-        # last level's set difference is over every replica of the version.
+        # last level's set is every other DC's holders.
         inner: Collection[str] = _NONE
         for n, key in enumerate(keys):
             yield n, self._gather(n, self._near(n, key), inner)
             inner = s.near_endpoints.get(key, _NONE)
         if may_cross:  # else ``choose`` stops before this level
-            yield len(keys), self._gather(len(keys), s.replicas.keys(), inner)
+            yield len(keys), self._far(len(keys), inner)
+
+    def _far(self, n: int, inner: Collection[str]) -> Iterator[Candidate]:
+        """The last level: the holders in other DCs (taken on the first ``next``, as a
+        level's set is). A reader with tiles of its own layout walks every replica."""
+        s, r = self.sources, self.reader
+        if s.holding is None or r.extra:
+            yield from self._gather(n, s.replicas.keys(), inner)
+            return
+        # Each other DC's holders (where the index is cheaper, those of a needed chunk),
+        # not every replica: a replica in no DC's holders holds nothing yet, and the
+        # walk would reject it first thing (``_near``'s argument).
+        names: set[str] = set()
+        for dc in s.holding.dcs():
+            if dc != r.place.dc:
+                there = s.near_holders.get(("dc", dc), _NONE)
+                some = s.holding.relevant(dc, r.needed, len(there))
+                names |= there if some is None else some
+        yield from self._gather(n, names, _NONE)
 
     def _near(self, n: int, key: tuple) -> Collection[str]:
         """The version's holders in topology group ``key`` that may hold a needed chunk:

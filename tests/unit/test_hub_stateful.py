@@ -694,6 +694,9 @@ class HubMachine(RuleBasedStateMachine):
                 assert cached == fresh, f"(i) v{number} spread[{dc}] {cached} != {fresh}"
             holders: dict = {}  # (dc, chunk) -> its holders there, as ``v.holding`` must have them
             for name, rep in v.replicas.items():
+                # The walk's last level reads a DC's holders, not every replica.
+                dc = self.hub.endpoints[name].place.dc
+                assert not rep.held or name in v.near.get(("dc", dc), ()), f"(i) v{number} {name} not in {dc}'s holders"
                 for chunk in range(v.nchunks):
                     if rep.held >> chunk & 1:
                         holders.setdefault((self.hub.endpoints[name].place.dc, chunk), set()).add(name)

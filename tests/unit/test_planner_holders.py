@@ -117,11 +117,21 @@ def cluster(draw):
     )
 
 
+class Lazy(HolderIndex):
+    """Always gives up: every level walks its holders whole (the last level those of
+    the other DCs, not every replica)."""
+
+    __slots__ = ()
+
+    def relevant(self, dc, needed, walked):
+        return None
+
+
 def plan(c, index_class=None, whole_deferred=False):
     near_holders, near_endpoints = {}, {}
     for name, place in c["places"].items():
         join(near_endpoints, place, name)
-        if name in c["replicas"]:
+        if name in c["replicas"] and c["replicas"][name].held:  # as the hub indexes them (``publishing.index``)
             join(near_holders, place, name)
     endpoints = {n: Ep(pl, last_seen=-10.0 if n in c["dead"] else 0.0) for n, pl in c["places"].items()}
     sending = {s: sum(1 << ch for ch in chunks) for s, chunks in c["serving"].items()}
@@ -149,6 +159,32 @@ def test_a_walk_narrowed_by_the_index_plans_what_the_full_walk_plans(c):
     assert walk._relevant is not None or not walk._asked  # narrowed wherever it asked the index
     assert narrowed.assigned == full.assigned and narrowed.waiting == full.waiting
     assert walk.busy_held == whole.busy_held
+
+
+@settings(max_examples=500, deadline=None)
+@given(cluster())
+def test_a_walk_of_the_other_dcs_holders_plans_what_a_walk_of_every_replica_plans(c):
+    # Replicas that hold nothing yet (a reader is one from its first plan) are in no
+    # DC's holders: the last level leaves them out, index or not.
+    full, whole = plan(c)
+    walked, walk = plan(c, Lazy)
+    assert walked.assigned == full.assigned and walked.waiting == full.waiting
+    assert walk.busy_held == whole.busy_held
+
+
+@settings(max_examples=500, deadline=None)
+@given(cluster(), st.integers(0, (1 << CHUNKS) - 1))
+def test_deferred_is_every_busy_and_capped_chunk_in_the_dc(c, want):
+    # Full publishers are asked first (``Walk.deferred``); the answer is still the
+    # chunks the walk found busy plus those of every capped source alive in the DC.
+    _, walk = plan(c)
+    dc = c["places"]["me"].dc
+    capped = {n for n in c["full"] if n in c["replicas"] and c["replicas"][n].held and c["places"][n].dc == dc
+              and n not in c["draining"] and n not in c["dead"]}
+    expect = walk.busy_held
+    for n in capped:
+        expect |= c["replicas"][n].held & want
+    assert walk.deferred(want) == expect
 
 
 @settings(max_examples=500, deadline=None)
