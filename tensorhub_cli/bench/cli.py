@@ -62,22 +62,30 @@ def bench_hub(as_json: bool = JsonOpt,
               endpoints: int = typer.Option(1000, min=2, metavar="N", help="simulated endpoints"),
               tensors: int = typer.Option(1000, min=1, metavar="N", help="tensors per manifest"),
               chunk_mb: int = typer.Option(64, min=1, metavar="MIB", help="chunk size in MiB"),
-              depth: int = typer.Option(64, min=1, metavar="N", help="requests in flight in the throughput phase"),
+              depth: Optional[int] = typer.Option(None, min=1, metavar="N",
+                                                  help="requests in flight in the throughput phase [default: 64]"),
               window: int = typer.Option(32, min=1, metavar="N", help="reads each simulated reader asks for per plan"),
               planner: str = typer.Option("ros", metavar="ros|star",
                                           help="ros, or star (the all-from-publisher baseline)"),
+              replay: bool = typer.Option(False, "--replay", help=(
+                  "the same mix against the hub in this process on a fixed schedule, no sockets: "
+                  "repeatable hub CPU figures and a digest of every plan, for A/B of hub changes")),
               timeout: float = TimeoutOpt,
               profile: Optional[Path] = typer.Option(None, metavar="FILE",
                                                      help="write a cProfile of the hub process here")) -> None:
     """Real hub on one core under N simulated endpoints: plan latency and control ops/s."""
     if planner not in ("ros", "star"):
         fail(f"th bench hub: --planner must be ros or star, got {planner!r}", 2)
+    if replay:
+        if depth is not None:
+            fail("th bench hub: --depth does not apply to --replay (it answers one request at a time)", 2)
+        return _replay_hub(as_json, endpoints, tensors, chunk_mb, window, planner, timeout, profile)
     from . import hub as hub_bench
 
     if not as_json:
         step(f"bench hub: {endpoints} endpoints, {tensors}-tensor manifests, hub pinned to one core …", err)
     try:
-        result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth,
+        result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth or 64,
                                planner=planner, timeout_s=timeout, profile=profile, window=window)
     except hub_bench.BenchError as exc:
         fail(f"th bench hub: {exc}", 1)
@@ -86,6 +94,34 @@ def bench_hub(as_json: bool = JsonOpt,
         from ..ui.status import render_bench_hub
 
         render_bench_hub(err, result)
+
+
+def _replay_hub(as_json: bool, endpoints: int, tensors: int, chunk_mb: int, window: int, planner: str,
+                timeout: float, profile: Path | None) -> None:
+    from . import hubreplay
+
+    if not as_json:
+        step(f"bench hub --replay: {endpoints} endpoints, {tensors}-tensor manifests, hub in this process …", err)
+    profiler = None
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    try:
+        result = hubreplay.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, window=window,
+                               planner=planner, timeout_s=timeout)
+    except hubreplay.ReplayError as exc:
+        fail(f"th bench hub --replay: {exc}", 1)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        from ..ui.status import render_bench_hub_replay
+
+        render_bench_hub_replay(err, result)
 
 
 @bench.command("p2p")

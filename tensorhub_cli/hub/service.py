@@ -222,6 +222,11 @@ class HubService:
             self._sock.close(linger=0)
             self._ctx.term()
 
+    def close(self) -> None:
+        """Close the socket of a service never ``serve``d (``serve`` closes its own)."""
+        self._sock.close(linger=0)
+        self._ctx.term()
+
     def _send(self, frames: list[tuple[bytes, bytes]]) -> None:
         send = self._sock.send
         for to, frame in frames:

@@ -131,6 +131,17 @@ def render_bench_hub(console: Console, r: dict) -> None:
     console.print(t)
 
 
+def render_bench_hub_replay(console: Console, r: dict) -> None:
+    t = Table("version", "ops", "plans", "waits", "hub CPU s", "ops / CPU s", "plan µs", "plans digest", title=(
+        f"hub replay: {r['endpoints']} endpoints, {r['planner']} planner, fixed schedule, no sockets"),
+        title_justify="left")
+    for key in ("v1", "v2"):
+        ph = r[key]
+        t.add_row(key, str(sum(ph["ops"].values())), str(ph["plans"]), str(ph["waits"]), f"{ph['hub_cpu_s']:.2f}",
+                  f"{ph['ops_per_cpu_s']:.0f}", f"{ph['cpu_us'].get('plan', 0):.0f}", ph["plans_digest"])
+    console.print(t)
+
+
 def render_bench_fanout(console: Console, r: dict) -> None:
     """The fan-out rows as a table, with the gloo broadcast where the rows carry it; with
     ``bound_s`` (testbed) also each time ÷ S/B."""
