@@ -16,10 +16,11 @@ generator reports them at once too). A plan that gives nothing is asked again
 ``wait_s`` later; every endpoint heartbeats every ``heartbeat_s``; the hub's sweep runs
 as ``HubService`` would schedule it. Then v2, the same, while v1 stays held.
 
-Figures per version (``v1``, ``v2``): ``hub_cpu_s`` (process CPU time spent in ``handle`` and the sweep:
-what the version cost the hub), ``cpu_us`` per op kind, and ``ops_per_cpu_s`` (ops
-over that CPU: what one core sustains with no socket I/O, a ceiling for the socket
-bench's ops/s).
+Figures per version (``v1``, ``v2``): ``hub_cpu_s`` (process CPU time spent in
+``handle`` and the sweep: what the version cost the hub), ``cpu_us`` per op kind
+(``wait_cpu_us``: of plans, those that gave nothing), and ``ops_per_cpu_s`` (ops over
+that CPU: what one core sustains with no socket I/O, a ceiling for the socket bench's
+ops/s).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Phase:
     ops: dict[str, int] = field(default_factory=dict)
     cpu_s: dict[str, float] = field(default_factory=dict)
     waits: int = 0
+    wait_cpu_s: float = 0.0  # of the plans' CPU, what the plans that gave nothing cost
     digest: hashlib._Hash = field(default_factory=hashlib.sha256)
 
     def summary(self, chunks: int, sim_s: float) -> dict:
@@ -66,6 +68,7 @@ class Phase:
         return {"chunks": chunks, "sim_s": round(sim_s, 3), "ops": dict(sorted(self.ops.items())),
                 "plans": self.ops.get("plan", 0), "waits": self.waits, "hub_cpu_s": round(cpu, 3),
                 "cpu_us": {k: round(1e6 * self.cpu_s[k] / n, 1) for k, n in sorted(self.ops.items()) if n},
+                "wait_cpu_us": round(1e6 * self.wait_cpu_s / self.waits, 1) if self.waits else None,
                 "ops_per_cpu_s": round(sum(self.ops.values()) / cpu, 1) if cpu else None,
                 "plans_digest": self.digest.hexdigest()[:16]}
 
@@ -82,20 +85,22 @@ class Replay:
         self.next_sweep = self.service.sweep_s
         self.rid = 0
 
-    def call(self, phase: Phase, kind: str, op: p.Op) -> p.Body:
-        """One request through the service, its CPU charged to ``kind``; refused → ReplayError."""
+    def call(self, phase: Phase, kind: str, op: p.Op) -> tuple[p.Body, float]:
+        """One request through the service, its CPU charged to ``kind``: the reply's body
+        and that CPU time. Refused → ReplayError."""
         self.rid += 1
         frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token=self.token, rid=self.rid, op=op))
         t = time.process_time()
         out = self.service.handle(b"replay", [frame])
-        phase.cpu_s[kind] = phase.cpu_s.get(kind, 0.0) + time.process_time() - t
+        cpu = time.process_time() - t
+        phase.cpu_s[kind] = phase.cpu_s.get(kind, 0.0) + cpu
         phase.ops[kind] = phase.ops.get(kind, 0) + 1
         self.clock.now += self.op_s
         body = p.decode_reply(out[0][1]).body
         if isinstance(body, p.Error):
             raise ReplayError(f"the hub refused {type(op).__name__} from {getattr(op, 'name', '?')}: "
                               f"{body.code}: {body.message}")
-        return body
+        return body, cpu
 
     def sweep_due(self, phase: Phase) -> None:
         while self.clock.now >= self.next_sweep:
@@ -139,7 +144,7 @@ def _wave(rp: Replay, phase: Phase, names: list[str], number: int, window: int, 
             rp.call(phase, kind, p.Progress(name=name, model=MODEL, version=number, chunks=reports.pop(name)))
             queue.append(("plan", name))
         else:
-            body = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, window=window))
+            body, cpu = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, window=window))
             reads = [(r.chunk, r.source) for r in body.reads]
             phase.digest.update(repr((name, reads, body.waiting, body.complete)).encode())
             if body.complete:
@@ -149,6 +154,7 @@ def _wave(rp: Replay, phase: Phase, names: list[str], number: int, window: int, 
                 queue.append(("progress", name))
             else:
                 phase.waits += 1
+                phase.wait_cpu_s += cpu
                 order += 1
                 heapq.heappush(parked, (rp.clock.now + wait_s, order, name))
 
