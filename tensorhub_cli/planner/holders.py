@@ -92,5 +92,5 @@ class HolderIndex:
         return set(self._by_chunk.get(dc, {}).get(chunk, ()))
 
     def dcs(self) -> list[str]:
-        """The DCs with a holder of some chunk."""
+        """The DCs with a holder of some chunk (the other-DC level of a walk visits these)."""
         return [dc for dc, chunks in self._by_chunk.items() if chunks]

@@ -31,7 +31,7 @@ def test_a_replay_plans_the_same_every_run_and_every_reader_completes():
 
 def test_the_digest_does_not_depend_on_the_hash_seed():
     # Sets of names iterate in hash order; the planner must not let that order decide.
-    code = ("import json; from tensorhub_cli.bench import hubreplay; "
+    code = ("from tensorhub_cli.bench import hubreplay; "
             "print(hubreplay.run(endpoints=24, tensors=20, chunk_mb=16)['plans_digest'])")
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout.strip()
