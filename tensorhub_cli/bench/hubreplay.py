@@ -63,6 +63,10 @@ class Phase:
     wait_cpu_s: float = 0.0  # of the plans' CPU, what the plans that gave nothing cost
     digest: hashlib._Hash = field(default_factory=hashlib.sha256)
 
+    def charge(self, kind: str, cpu_s: float) -> None:
+        self.cpu_s[kind] = self.cpu_s.get(kind, 0.0) + cpu_s
+        self.ops[kind] = self.ops.get(kind, 0) + 1
+
     def summary(self, chunks: int, sim_s: float) -> dict:
         cpu = sum(self.cpu_s.values())
         return {"chunks": chunks, "sim_s": round(sim_s, 3), "ops": dict(sorted(self.ops.items())),
@@ -93,8 +97,7 @@ class Replay:
         t = time.process_time()
         out = self.service.handle(b"replay", [frame])
         cpu = time.process_time() - t
-        phase.cpu_s[kind] = phase.cpu_s.get(kind, 0.0) + cpu
-        phase.ops[kind] = phase.ops.get(kind, 0) + 1
+        phase.charge(kind, cpu)
         self.clock.now += self.op_s
         body = p.decode_reply(out[0][1]).body
         if isinstance(body, p.Error):
@@ -106,8 +109,7 @@ class Replay:
         while self.clock.now >= self.next_sweep:
             t = time.process_time()
             self.service.sweep()
-            phase.cpu_s["sweep"] = phase.cpu_s.get("sweep", 0.0) + time.process_time() - t
-            phase.ops["sweep"] = phase.ops.get("sweep", 0) + 1
+            phase.charge("sweep", time.process_time() - t)
             self.next_sweep += self.service.sweep_s
 
     def close(self) -> None:

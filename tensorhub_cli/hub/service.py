@@ -219,11 +219,11 @@ class HubService:
         finally:
             loop.remove_reader(fd)
             sweeper.cancel()
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self.close()
 
     def close(self) -> None:
-        """Close the socket of a service never ``serve``d (``serve`` closes its own)."""
+        """Close the socket and its context (``serve`` does on its way out; call it for a
+        service never served)."""
         self._sock.close(linger=0)
         self._ctx.term()
 

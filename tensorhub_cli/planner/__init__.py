@@ -17,6 +17,6 @@ from .holders import HolderIndex
 from .rules import copies, full_held, may_cross, serving_mask, spread, withheld
 from .topology import LEVELS, REMOTE, Place, groups, join, leave, level_between
 
-__all__ = ["LEVELS", "REMOTE", "Asking", "Candidate", "HolderIndex", "Limits", "Place", "PlanResult", "Reader", "Sources",
-           "Walk", "choose", "copies", "first_bit", "full_held", "groups", "join", "leave", "level_between", "may_cross",
-           "room", "serving_mask", "spread", "withheld"]
+__all__ = ["LEVELS", "REMOTE", "Asking", "Candidate", "HolderIndex", "Limits", "Place", "PlanResult", "Reader",
+           "Sources", "Walk", "choose", "copies", "first_bit", "full_held", "groups", "join", "leave", "level_between",
+           "may_cross", "room", "serving_mask", "spread", "withheld"]

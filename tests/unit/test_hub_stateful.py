@@ -699,7 +699,7 @@ class HubMachine(RuleBasedStateMachine):
                 assert not rep.held or name in v.near.get(("dc", dc), ()), f"(i) v{number} {name} not in {dc}'s holders"
                 for chunk in range(v.nchunks):
                     if rep.held >> chunk & 1:
-                        holders.setdefault((self.hub.endpoints[name].place.dc, chunk), set()).add(name)
+                        holders.setdefault((dc, chunk), set()).add(name)
             indexed = {(dc, chunk): v.holding.holders(dc, chunk) for dc in v.holding.dcs()
                        for chunk in range(v.nchunks) if v.holding.holders(dc, chunk)}
             assert indexed == holders, f"(i) v{number} holding {indexed} != {holders}"
