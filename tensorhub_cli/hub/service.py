@@ -59,6 +59,8 @@ class HubService:
         self.bind = bind
         self.clock = clock
         self.sweep_s = sweep_s or max(0.05, hub.config.expiry_s / 5)
+        self._swept: float | None = None  # when the last sweep ran (None: none yet)
+        self._deferred = False  # the last sweep skipped expiry (a stall): the next one must not
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -164,12 +166,28 @@ class HubService:
         return out
 
     def sweep(self) -> list[tuple[bytes, bytes]]:
+        """Expire the silent, settle drains, and return what that sends.
+
+        A sweep that runs more than one period late means this process was not
+        listening (descheduled, swapped, a long batch): heartbeats sent meanwhile may
+        still sit in zmq's queues, so silence measured across the stall is ours, not
+        the endpoints'. That sweep skips expiry, and the next one, a period later and
+        after the loop has drained what arrived, judges it. Never two in a row, so an
+        overloaded hub still expires the dead, at most ``sweep_s`` later."""
         with self.lock:
-            for name in self.hub.expire(self.clock()):
-                log.warning("endpoint %s expired", name)
-                self.idents.pop(name, None)
+            now = self.clock()
+            gap = 0.0 if self._swept is None else now - self._swept
+            stalled = gap > 2 * self.sweep_s and not self._deferred
+            self._swept, self._deferred = now, stalled
+            if stalled:
+                self.hub.count("sweeps.deferred")
+                log.warning("hub loop stalled %.2f s: expiry waits one sweep for heartbeats sent meanwhile", gap)
+            else:
+                for name in self.hub.expire(now):
+                    log.warning("endpoint %s expired", name)
+                    self.idents.pop(name, None)
             # Drains are also judged by time (the post-restart grace), so settle here too.
-            self.hub.settle(self.clock())
+            self.hub.settle(now)
             return self.outbound()
 
     async def serve(self, stop: asyncio.Event) -> None:

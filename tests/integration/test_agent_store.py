@@ -26,7 +26,8 @@ TOKEN = "s" * 32
 
 
 class Rig:
-    """A hub (keep_latest 1 of model ``m``, expiry 1 s) and agent ``agent-n1`` storing
+    """A hub (keep_latest 1 of model ``m``, expiry 3 s: at 1 s an endpoint
+    expired mid-test twice in CI on a shared 2-core host) and agent ``agent-n1`` storing
     under ``tmp``; every process is stopped by its PID at the end."""
 
     def __init__(self, tmp):
@@ -38,7 +39,7 @@ class Rig:
         self.procs: list[subprocess.Popen] = []
         self.eps: list = []
         self.hub = self._spawn("hub", ["-m", "tensorhub_cli.hub", "--bind", self.address, "--token-file",
-                                       str(self.token_file), "--expiry-s", "1.0", "--retain", "m=1:1"])
+                                       str(self.token_file), "--expiry-s", "3.0", "--retain", "m=1:1"])
         wait_for_hub(self.address, TOKEN, timeout=15, alive=lambda: self.hub.poll() is None)
         self.agent = None
         self.starts = 0
@@ -87,6 +88,10 @@ class Rig:
         return next((v for v in listed if v.version == number), None)
 
     def close(self) -> None:
+        # pytest shows what a failed test's teardown printed: the hub's expiries are here.
+        print("--- hub.log\n" + (self.tmp / "hub.log").read_text(errors="replace")[-4000:])
+        if self.starts:
+            print(f"--- agent{self.starts}.log\n{self.log()}")
         for ep in self.eps:
             ep.close(drain_timeout=0)
         for proc in reversed(self.procs):
