@@ -16,7 +16,7 @@ pins) before a drain can be judged complete.
 ``Hub`` is the one entry point; each operation lives in the module of its concern:
 
 ============  ==========================================================
-membership    register, heartbeat, deregister, expire (contracts 6, 7)
+membership    register, heartbeat, deregister, expire, excuse (contracts 6, 7)
 publishing    publish, shard assembly, restore on re-register (1, 7)
 resolving     resolve, latest, group rounds (1, 2)
 reading       plan (through ``planner``), progress, cancel (5, 6, 8)
@@ -50,6 +50,12 @@ class Hub(HubState):
     def expire(self, now: float) -> list[str]:
         """Drop every endpoint silent past ``expiry_s``; returns their names."""
         return membership.expire(self, now)
+
+    def excuse(self, now: float, seconds: float) -> None:
+        """The hub itself heard nothing for ``seconds`` before ``now`` (its process
+        stalled): that silence is not the endpoints'. Call it before the next op or
+        expiry judges anyone alive."""
+        membership.excuse(self, now, seconds)
 
     # --- versions ------------------------------------------------------------------
     def publish(self, now: float, op: p.Publish) -> p.Ok:

@@ -7,6 +7,9 @@
   unsure the hub still knew it) keeps everything: pins, reads, a pending unpublish.
 - ``heartbeat``: keeps it alive; ``expire(now)`` drops every endpoint silent for longer
   than ``expiry_s``.
+- ``excuse``: silence is counted only while the hub listens. When the hub's own
+  process heard nothing for a while (descheduled, paused), the beats sent meanwhile are
+  still queued, so that time is taken off every endpoint's silence.
 - ``drop_endpoint``: a gone endpoint loses every reference, pin and read it had; a
   pending unpublish of its is answered not-ok.
 """
@@ -57,6 +60,15 @@ def deregister(hub: HubState, now: float, op: p.Deregister) -> p.Ok:
     drop_endpoint(hub, now, op.name)
     settle(hub, now)
     return p.Ok()
+
+
+def excuse(hub: HubState, now: float, seconds: float) -> None:
+    """The hub heard nothing for ``seconds`` before ``now``: nobody's silence grows by
+    them (and nobody is seen later than ``now``)."""
+    for ep in hub.endpoints.values():
+        ep.last_seen = min(now, ep.last_seen + seconds)
+    hub.count("stalls")
+    hub.event(now, "stalled", message=f"the hub heard nothing for {seconds:.2f} s; excused from every silence")
 
 
 def expire(hub: HubState, now: float) -> list[str]:

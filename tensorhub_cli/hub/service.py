@@ -7,6 +7,13 @@ answered and counted under ``errors.<code>``; no frame a peer sends can raise ou
 the receive loop. Ops run one at a time on one thread, so the state machine needs no
 locks. A ``Resolved`` reply splices in its version's manifests as encoded once
 (``Version.encoded``): the same bytes, without re-encoding a large manifest per reader.
+
+Silence is measured only while the hub listens. The loop runs at least every
+``sweep_s`` (the sweep's timer), so a gap of more than two periods between ops and
+sweeps means this process did not run (descheduled, paused, swapped): beats sent
+meanwhile are still queued behind it, in zmq or the kernel. The gap beyond one period
+is excused (``Hub.excuse``) before the next op or sweep judges anyone alive, so a
+stalled hub never expires, or plans around, endpoints that went on beating.
 """
 
 from __future__ import annotations
@@ -59,8 +66,7 @@ class HubService:
         self.bind = bind
         self.clock = clock
         self.sweep_s = sweep_s or max(0.05, hub.config.expiry_s / 5)
-        self._swept: float | None = None  # when the last sweep ran (None: none yet)
-        self._deferred = False  # the last sweep skipped expiry (a stall): the next one must not
+        self._ran: float | None = None  # when the loop last ran an op or a sweep
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -121,6 +127,7 @@ class HubService:
         if not hmac.compare_digest(req.token.encode(), self._token):
             return [(ident, self._refuse(req.rid, "auth", "bad cluster token"))]
         now = self.clock()
+        self._listening(now)
         try:
             if isinstance(req.op, p.Status):
                 body = self.hub.status(now)
@@ -165,27 +172,21 @@ class HubService:
                 out.append((self.idents[event.endpoint], self._reply(0, event.body)))
         return out
 
-    def sweep(self) -> list[tuple[bytes, bytes]]:
-        """Expire the silent, settle drains, and return what that sends.
+    def _listening(self, now: float) -> None:
+        """The loop runs now: excuse the time it did not (see the module's docstring)."""
+        if self._ran is not None and (deaf := now - self._ran - self.sweep_s) > self.sweep_s:
+            self.hub.excuse(now, deaf)
+            log.warning("the hub heard nothing for %.2f s (its process stalled): excused from every "
+                        "endpoint's silence", deaf)
+        self._ran = now
 
-        A sweep that runs more than one period late means this process was not
-        listening (descheduled, swapped, a long batch): heartbeats sent meanwhile may
-        still sit in zmq's queues, so silence measured across the stall is ours, not
-        the endpoints'. That sweep skips expiry, and the next one, a period later and
-        after the loop has drained what arrived, judges it. Never two in a row, so an
-        overloaded hub still expires the dead, at most ``sweep_s`` later."""
+    def sweep(self) -> list[tuple[bytes, bytes]]:
         with self.lock:
             now = self.clock()
-            gap = 0.0 if self._swept is None else now - self._swept
-            stalled = gap > 2 * self.sweep_s and not self._deferred
-            self._swept, self._deferred = now, stalled
-            if stalled:
-                self.hub.count("sweeps.deferred")
-                log.warning("hub loop stalled %.2f s: expiry waits one sweep for heartbeats sent meanwhile", gap)
-            else:
-                for name in self.hub.expire(now):
-                    log.warning("endpoint %s expired", name)
-                    self.idents.pop(name, None)
+            self._listening(now)
+            for name in self.hub.expire(now):
+                log.warning("endpoint %s expired", name)
+                self.idents.pop(name, None)
             # Drains are also judged by time (the post-restart grace), so settle here too.
             self.hub.settle(now)
             return self.outbound()

@@ -539,6 +539,14 @@ class HubMachine(RuleBasedStateMachine):
                 got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name, incarnation=proc.incarnation))
                 assert not isinstance(got, HubFault), got
 
+    @rule(dt=st.sampled_from([2.0, 6.0, 12.0]))
+    def hub_stalls(self, dt):
+        """The hub's process ran nothing for ``dt`` while endpoints went on beating (their
+        beats queued): the service excuses it, and the beats land afterwards."""
+        self.now += dt
+        self.hub.excuse(self.now, dt)
+        assert all(ep.last_seen <= self.now for ep in self.hub.endpoints.values())
+
     @rule()
     def sweep(self):
         """The service's periodic expiry, which may lag behind the clock."""

@@ -1,0 +1,103 @@
+"""Silence is measured only while the hub listens: a gap of more than two sweep
+periods in which the service ran nothing is its own stall, excused from every
+endpoint's silence before an op or a sweep judges anyone; a busy hub, which listens
+all along, excuses nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.hub.service import HubService
+
+from .hubkit import EXPIRY, info, new_hub, reg
+
+SWEEP = 1.0
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def rig():
+    clock = Clock()
+    hub = new_hub()
+    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=clock, sweep_s=SWEEP)
+    reg(hub, 0.0, info("a", node="n1"), info("b", node="n2"))
+    try:
+        yield clock, hub, service
+    finally:
+        service.close()
+
+
+def beat(hub, now: float, *names: str) -> None:
+    for name in names:
+        hub.heartbeat(now, p.Heartbeat(name=name))
+
+
+def sweep_at(clock: Clock, service: HubService, now: float) -> set[str]:
+    clock.now = now
+    service.sweep()
+    return set(service.hub.endpoints)
+
+
+def status_at(clock: Clock, service: HubService, now: float) -> p.StatusReply:
+    clock.now = now
+    frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=1, op=p.Status()))
+    [(_, reply)] = service.handle(b"op", [frame])
+    return p.decode_reply(reply).body
+
+
+def test_a_stall_is_excused_and_silence_before_and_after_it_still_counts(rig):
+    clock, hub, service = rig
+    beat(hub, 1.0, "a", "b")
+    assert sweep_at(clock, service, 1.0) == {"a", "b"}
+    woke = 1.0 + EXPIRY + 2.0  # the loop ran nothing from 1.0 to here
+    assert sweep_at(clock, service, woke) == {"a", "b"}
+    assert hub.counters["stalls"] == 1 and "expiries" not in hub.counters
+    assert [e.kind for e in hub.events][-1] == "stalled"
+    assert all(ep.last_seen <= woke for ep in hub.endpoints.values())
+    # Excused: the gap beyond one period (the loop may idle that long), 6 s. b last
+    # beat at 1.0, so its silence reads one period at wake-up and passes EXPIRY
+    # (EXPIRY - SWEEP) later, not at once.
+    beat(hub, woke, "a")  # a's beat, queued during the stall; b died in it
+    t = woke
+    while t < woke + EXPIRY - SWEEP:
+        t += SWEEP
+        beat(hub, t, "a")
+        assert sweep_at(clock, service, t) == {"a", "b"}, t
+    assert sweep_at(clock, service, t + SWEEP) == {"a"}
+    assert hub.counters["stalls"] == 1
+
+
+def test_an_op_after_a_stall_excuses_it_before_it_judges_anyone(rig):
+    clock, hub, service = rig
+    sweep_at(clock, service, 1.0)
+    woke = 1.0 + 3 * EXPIRY
+    st = status_at(clock, service, woke)
+    assert [e.alive for e in st.endpoints] == [True, True] and hub.counters["stalls"] == 1
+
+
+def test_a_busy_hub_listens_all_along_and_excuses_nothing(rig):
+    clock, hub, service = rig
+    # Ops every 10 ms and no sweep for 2 * EXPIRY: a long batch, not a stall.
+    for k in range(1, int(2 * EXPIRY / 0.01) + 1):
+        status_at(clock, service, k * 0.01)
+    assert sweep_at(clock, service, 2 * EXPIRY + 0.01) == set()
+    assert "stalls" not in hub.counters and hub.counters["expiries"] == 2
+
+
+def test_on_time_sweeps_expire_the_silent_at_once(rig):
+    clock, hub, service = rig
+    t = 0.0
+    while t < EXPIRY:
+        t += SWEEP
+        beat(hub, t, "a")
+        sweep_at(clock, service, t)
+    assert sweep_at(clock, service, t + SWEEP) == {"a"}
+    assert "stalls" not in hub.counters
