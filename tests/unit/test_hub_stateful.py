@@ -541,8 +541,8 @@ class HubMachine(RuleBasedStateMachine):
 
     @rule(dt=st.sampled_from([2.0, 6.0, 12.0]))
     def hub_stalls(self, dt):
-        """The hub's process ran nothing for ``dt`` while endpoints went on beating (their
-        beats queued): the service excuses it, and the beats land afterwards."""
+        """The hub's process ran nothing for ``dt`` while endpoints went on beating: the
+        service excuses it (``Hub.excuse``); their queued beats land with a later ``advance``."""
         self.now += dt
         self.hub.excuse(self.now, dt)
         assert all(ep.last_seen <= self.now for ep in self.hub.endpoints.values())
