@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from tensorhub_cli.bench.hubreplay import Clock
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.service import HubService
 
 from .hubkit import EXPIRY, info, new_hub, reg
 
 SWEEP = 1.0
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
