@@ -394,6 +394,8 @@ class Endpoint:
         by async copies, which that stream is made to wait for (no host wait). Work
         still queued that reads or writes ``into`` must be done (or not touch it) before
         the call: engines do not wait for streams."""
+        if group is None:  # a member of a model-parallel group resolves with it, whoever calls (contract 2)
+            group = self.info.group
         if collective is not None:
             from . import collective as stage  # (torch.distributed only for those who ask)
 
