@@ -27,11 +27,18 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   version it publishes. A description without a device id (an older holder) reads as
   device 0, which is what readers assumed before.
 
-Closing: UCX may still write into local memory for a READ that is posted, so
-``close`` releases every transfer not yet released (NIXL aborts a posted one, or
-refuses while it cannot) for up to ``timeout`` (5 s), and drops the agent only once
-none is left; one that would not let go keeps the agent alive (a leak, logged, rather
-than memory written after its owner freed it).
+Giving up a read. Over UCX, releasing a READ still in progress returns without
+error but does not stop the remote side from writing into our memory later (NIXL
+issue #1958: the handle is freed, the GET is not). So a transfer is over only when
+NIXL reports it final (``DONE`` or ``ERR``): ``release`` of a pending one frees
+nothing and answers False, and the caller keeps it (its memory fenced, its source
+pinned: contract 3) and asks again. A READ from a stalled holder ends when the holder
+resumes (``DONE``) or its connection fails (``ERR``), never before.
+
+Closing: likewise ``close`` releases only transfers that reached a final state, for
+up to ``timeout`` (5 s), and drops the agent only once none is left; one that stays
+pending keeps the agent alive (a leak, logged, rather than memory written after its
+owner freed it).
 
 NIXL calls are serialized by one lock: the fetch loop, the service thread's progress
 and the peer server's ``describe`` run on different threads.
@@ -155,13 +162,24 @@ class NixlEngine(Engine):
             return "failed"
 
     def release(self, transfer: object) -> bool:
+        """True only once NIXL reports ``transfer`` final and its handle is freed; a
+        pending one is left as it is (see the module: releasing would not stop it)."""
+        with self._lock:
+            return self._release_final(transfer)
+
+    def _release_final(self, transfer: object) -> bool:
+        """(Under the lock.)"""
         try:
-            with self._lock:
-                self._agent.release_xfer_handle(transfer)
-                self._posted.discard(transfer)
-            return True
+            if self._agent.check_xfer_state(transfer) == "PROC":
+                return False
+        except Exception:  # (an unknown handle is no transfer of ours in flight: free what can be)
+            pass
+        try:
+            self._agent.release_xfer_handle(transfer)
         except Exception:
             return False
+        self._posted.discard(transfer)
+        return True
 
     def progress(self) -> None:
         with self._lock:
@@ -176,16 +194,12 @@ class NixlEngine(Engine):
                 if self._agent is None:
                     return
                 for handle in list(self._posted):
-                    try:
-                        self._agent.release_xfer_handle(handle)
-                        self._posted.discard(handle)
-                    except Exception:
-                        pass  # still in flight: NIXL could not abort it yet
+                    self._release_final(handle)  # (still in flight: it may yet write into our memory)
                 if not self._posted:
                     self._agent = None
                     return
             if time.monotonic() >= deadline:
-                log.warning("%d NIXL transfer(s) still posted after %.1fs; keeping the agent alive",
+                log.warning("%d NIXL transfer(s) still in flight after %.1fs; keeping the agent alive",
                             len(self._posted), timeout)
                 return
             time.sleep(0.01)
