@@ -66,8 +66,6 @@ def test_a_read_is_released_once_nixl_reports_it_final(engine, final):
 
 def test_close_waits_for_posted_transfers_to_end_before_dropping_the_agent(engine):
     eng, agent, xfer = engine
-
-
     threading.Timer(0.1, agent.states.__setitem__, (xfer, "DONE")).start()
     eng.close(timeout=5)
     assert not agent.posted and eng._agent is None
