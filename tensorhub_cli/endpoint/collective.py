@@ -49,7 +49,7 @@ from ..engines import dist as coll
 from ..errors import EndpointError, FetchError, LayoutError, TensorHubError
 from ..hub import protocol as p
 from ..hub.client import HubClient
-from . import checks, layouts, streams, waiting
+from . import checks, fetching, streams, waiting
 from .fetch import Fetch
 from .replica import Held
 
@@ -230,22 +230,9 @@ def _read(me: Member, resolved: p.Resolved, into, deadline: float, window: int,
                                 "fetching it); unpublish it first")
         me.held, me.have = held, set(range(len(held.placed.views)))
         return
-    if callable(into):
-        into = into(resolved.shards)
-    placed = layouts.place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
-    if placed.wanted is not None:
-        # Members share whole chunks; a reader of another layout reads parts of them.
-        raise LayoutError("a collective fetch fills the publishers' layout (whole tensors); fetch a destination "
-                          "in another layout without collective=", [f"{key[0]}@{key[1]}: "
-                                                                   "destination in another layout"])
-    ep._check_tier(placed, "into")
-    for old in [h for h in ep._held() if h.overlaps(placed.regions)]:
-        ep.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-    ep.zombies.wait_for(key, deadline, ep._call)
-    me.held = ep._register(resolved.model, resolved.version, resolved.world, resolved.shards, -1, placed,
-                           list(into.values()))  # (a registration of this destination is reused)
-    ep._add(me.held)
+    me.held = fetching.set_up(ep, resolved, into, deadline, whole=True)  # (members share whole chunks)
     me.fresh = True
+    placed = me.held.placed
     owner = owners(len(placed.views), me.comm.size, _stripes(me))
     mine = [c for c, o in enumerate(owner) if o == me.comm.rank]
     options = _timeouts(ep, read_timeout, plan_timeout)
@@ -381,5 +368,5 @@ def _give_up(me: Member) -> None:
     if me.fresh and me.held is not None:
         job = me.job or Fetch(me.ep, me.held, me.comm.deadline, 1, read_timeout=1.0, plan_timeout=1.0,
                               describe_timeout=1.0)
-        me.ep._abort(job, me.held)
+        fetching.abort(me.ep, job, me.held)
         me.fresh = False

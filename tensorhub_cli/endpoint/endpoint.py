@@ -82,7 +82,6 @@ import os
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -98,10 +97,10 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, verify
 from ..layout.tensors import device_of
-from . import checks, layouts, metrics, streams, waiting
+from . import checks, fetching, layouts, streams
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
-from .fetch import Fetch, FetchError
+from .fetch import FetchError
 from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
@@ -169,7 +168,8 @@ class Endpoint:
         self.incarnation = self.info.incarnation
         # transfers that could not be released yet (contract 3: they stay pinned)
         self.zombies = Zombies(self.name, self.incarnation, self._replicas.get, call_timeout_s,
-                               hub_call=self._call_once, drain_timeout_s=drain_timeout_s)
+                               hub_call=self._call_once, drain_timeout_s=drain_timeout_s,
+                               let_go=self._registrations.release)
         self._hub = hub
         # One hub socket per calling thread, used only by it: a thread waiting for a
         # deferred reply (an unpublish's drain, minutes) holds up no other thread's
@@ -274,16 +274,17 @@ class Endpoint:
             self._replicas[held.key] = held
         self.served.add(id(held), held.placed.regions, owner=held.placed)
 
-    def _drop(self, held: Held, *, deregister: bool = False) -> None:
-        """Let the replica go: no longer served, its registration back to the cache
-        (deregistered now with ``deregister``: the memory is the caller's for good)."""
+    def _drop(self, held: Held, *, registration: str = "release") -> None:
+        """Let the replica go: no longer served; its registration ``release``d to the
+        cache, ``drop``ped (deregistered now: the memory is the caller's for good), or
+        ``keep``: zombies own it (``zombies``: reads may still write there)."""
         with self._lock:
             self._replicas.pop(held.key, None)
         self.served.remove(id(held))
         streams.drained(held.written)  # scatters still reading its staging end before it is reused or freed
-        if deregister:
+        if registration == "drop":
             self.registrations.drop(held.reg)
-        else:
+        elif registration == "release":
             self.registrations.release(held.reg)
 
     def _check_tier(self, placed, what: str) -> None:
@@ -331,6 +332,10 @@ class Endpoint:
         if busy:
             raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                                 "unpublish that version before publishing its memory again")
+        try:  # a given-up read of a failed fetch into this memory may still write it
+            self.zombies.wait_for(None, placed.regions, time.monotonic() + timeout, self._call)
+        except FetchError as exc:
+            raise EndpointError(f"publish of {model}@{version}: {exc}") from None
         held = self._register(model, version, world, [manifest], rank, placed, layouts.registered(state_dict),
                               fill=True)
         try:
@@ -403,104 +408,13 @@ class Endpoint:
                                window=window, read_timeout=read_timeout, plan_timeout=plan_timeout,
                                resolve_timeout=resolve_timeout)
         self._check_open()
-        model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
-            checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout,
-                              resolve_timeout)
-        started = time.monotonic()
-        deadline = started + timeout
-        resolved = waiting.resolve(self._call, p.Resolve(name=self.name, model=model, version=number, group=group),
-                                   deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
-                                   timeout=timeout)
-        resolved_at = time.monotonic()
-        with self._claim((model, resolved.version), deadline):
-            held = self._replicas.get((model, resolved.version))
-            while held is not None and not held.complete and time.monotonic() < deadline:
-                # Another thread is fetching it (a retention pull beside a `th sync`, on their
-                # own workers): its outcome is ours, a complete replica or none.
-                time.sleep(0.05)
-                held = self._replicas.get((model, resolved.version))
-            if held is not None and held.complete and (
-                    callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
-                    <= {r.addr for r in held.placed.regions}):
-                streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
-                self.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0,
-                                   **metrics.stages(started, resolved_at, resolved_at, {}, time.monotonic())}
-                return resolved.version  # already a complete holder of it (in this memory, if one was given)
-            if held is not None:
-                raise EndpointError(f"{self.name} already holds {model}@{resolved.version} in other memory "
-                                    "(or is still fetching it); unpublish it first")
-            if callable(into):  # a destination made to measure (agents' host copies)
-                into = into(resolved.shards)
-            # LayoutError here: nothing written, nothing held
-            placed = layouts.place(resolved.shards, into)
-            self._check_tier(placed, "into")
-            for old in [h for h in self._held() if h.overlaps(placed.regions)]:
-                self.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-            self.zombies.wait_for((model, resolved.version), deadline, self._call)
-            held = self._register(model, resolved.version, resolved.world, resolved.shards, -1, placed,
-                                  layouts.registered(into))
-            self._add(held)
-        set_up = time.monotonic()
-        job = Fetch(self, held, deadline, window,
-                    read_timeout=self.read_timeout_s if read_timeout is None else read_timeout,
-                    plan_timeout=self.plan_timeout_s if plan_timeout is None else plan_timeout,
-                    describe_timeout=self.call_timeout_s)
-        try:
-            job.run()
-        except BaseException as exc:
-            self._abort(job, held)
-            if isinstance(exc, FetchError):
-                raise FetchError(f"{self.name}: fetch of {model}@{resolved.version} failed: {exc}; "
-                                 "the destination holds no version") from None
-            raise
-        streams.reached(held.placed.device, held.written)  # the last scatter, before the caller's next kernel
-        self.last_fetch = {**job.stats, **metrics.stages(started, resolved_at, set_up, job.times, time.monotonic())}
-        metrics.observe(self.last_fetch)
-        return resolved.version
-
-    @contextmanager
-    def _claim(self, key: tuple[str, int], deadline: float):
-        """One fetch of a version at a time between "is it held?" and holding it. Two
-        fetches of one version (a retention pull and a `th sync`, on the agent's two
-        workers) would otherwise both find it unheld, and the second to register would
-        fail "already holds" though the first would have served it."""
-        with self._claiming:
-            if not self._claiming.wait_for(lambda: key not in self._claims,
-                                           timeout=max(0.0, deadline - time.monotonic())):
-                raise EndpointError(f"{self.name} is still setting up another fetch of {key[0]}@{key[1]}; "
-                                    "gave up at the fetch's timeout")
-            self._claims.add(key)
-        try:
-            yield
-        finally:
-            with self._claiming:
-                self._claims.discard(key)
-                self._claiming.notify_all()
+        return fetching.fetch(self, model, version, into=into, group=group, timeout=timeout, wait=wait,
+                              window=window, read_timeout=read_timeout, plan_timeout=plan_timeout,
+                              resolve_timeout=resolve_timeout)
 
     def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
         """The service thread's beat: release zombies that let go (``Zombies.reap``)."""
         self.zombies.reap(call)
-
-    def _abort(self, job: Fetch, held: Held) -> None:
-        """A failed fetch leaves no replica: stop reads, release pins, let the partial go
-        (each step bounded by ``call_timeout_s``). Reads the engine did not confirm
-        stopped stay pinned at the hub (contract 3) until they end: the service thread
-        reaps them and cancels then; only the others are unpinned now."""
-        left = job.stop(timeout=self.call_timeout_s)
-        if left:
-            log.warning("%s: %d read(s) of %s@%s did not stop within %.1fs; they stay pinned until they do",
-                        self.name, len(left), held.model, held.version, self.call_timeout_s)
-            self.zombies.add(*left, origin=held)
-            release: p.Op = job.unpinned()
-        else:
-            release = p.Cancel(name=self.name, model=held.model, version=held.version, incarnation=self.incarnation)
-        for op in (release, p.Unpublish(name=self.name, model=held.model, version=held.version,
-                                        incarnation=self.incarnation)):
-            try:
-                self._call(op, timeout=self.call_timeout_s)
-            except (HubError, HubUnreachable) as exc:
-                log.warning("%s after a failed fetch: %s", type(op).__name__, exc)
-        self._drop(held)
 
     def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
         self._check_open()
@@ -508,12 +422,19 @@ class Endpoint:
         held = self._replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
+        self._unpublish_at_hub(model, version, timeout)
+        self._drop(held)
+
+    def _unpublish_at_hub(self, model: str, version: int, timeout: float) -> None:
+        """Returns once the hub acknowledged the unpublish (its drain: no read of ours
+        in flight), or forgot the version already; through hub restarts, within
+        ``timeout`` (then ``EndpointError``: the replica stays registered)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 self._call(p.Unpublish(name=self.name, model=model, version=version, incarnation=self.incarnation),
                            timeout=max(0.1, deadline - time.monotonic()))
-                break
+                return
             except HubUnreachable:
                 if time.monotonic() >= deadline:
                     raise EndpointError(f"unpublish of {model}@{version} not acknowledged within {timeout:.0f}s; "
@@ -525,8 +446,7 @@ class Endpoint:
                     continue
                 if exc.code != "not_found":  # the hub forgot it already: nothing to drain
                     raise
-                break
-        self._drop(held)
+                return
 
     def verify(self, model: str, version: int, into: dict) -> list[str]:
         """Every way ``into`` differs from the manifest of ``model@version`` as this
@@ -556,7 +476,7 @@ class Endpoint:
         if not held.complete:
             log.info("%s: release of %s@%s left to the fetch still filling it", self.name, model, version)
             return
-        self._drop(held, deregister=True)  # (agents free that memory next: no registration outlives it)
+        self._drop(held, registration="drop")  # (agents free that memory next: no registration outlives it)
 
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
@@ -601,7 +521,7 @@ class Endpoint:
         self._shut = True
         for held in self._held():
             self._drop(held)
-        self.registrations.close()
+        self.registrations.close(keep=self.zombies.fenced())  # (leaked, not freed under a read)
         self.peer.close()
         with self._rpcs_lock:
             for _, client in self._rpcs:

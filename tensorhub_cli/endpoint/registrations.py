@@ -25,7 +25,11 @@ When an unused (idle) registration is deregistered, whichever comes first:
 3. an ``acquire`` over memory overlapping it that is not the same (a new registration
    never overlaps an idle one);
 4. its memory changed under it, as seen at the next ``acquire``: a storage it
-   registered was resized or moved (FSDP frees parameters by resizing storage to 0);
+   registered was resized or moved. FSDP frees parameters by resizing their storage
+   to 0 and regrows them later, often at the same address and size, where the old
+   registration (pinned pages, an IPC handle) would point at freed memory: so every
+   storage a registration covers is *watched* (``_watch``: its ``resize_`` marks the
+   registrations over it), and one resized even once is never reused;
 5. ``drop`` or ``close``.
 
 Safety. While registered, a registration holds every storage it covers (and its
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -64,18 +69,47 @@ class Registration:
     held: list  # (storage, data_ptr, nbytes) of every storage the regions lie in
     model: str
     users: int = 0
+    resized: bool = False  # a storage it covers was resized since it was registered (``_watch``)
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = sum(r.nbytes for r in self.regions)
+        for storage, _, _ in self.held:
+            _watch(storage, self)
 
     def intact(self) -> bool:
-        """Every storage it covers is still where and as big as when registered."""
-        return all(_storage_at(s) == (ptr, n) for s, ptr, n in self.held)
+        """No storage it covers was resized (even back to where and how big it was)."""
+        return not self.resized and all(_storage_at(s) == (ptr, n) for s, ptr, n in self.held)
 
     def overlaps(self, regions) -> bool:
         return any(a.device == b.device and a.addr < b.addr + b.nbytes and b.addr < a.addr + a.nbytes
                    for a in self.regions for b in regions)
+
+
+_WATCHERS = "_tensorhub_registrations"  # a storage's attribute: the registrations over it
+
+
+def _watch(storage, reg: "Registration") -> None:
+    """Mark ``reg`` resized whenever ``storage.resize_`` runs. torch keeps one Python
+    object per storage, and FSDP (1 and 2) frees and regrows parameters through that
+    object's ``resize_``; a shadowing instance attribute sees every such call. A
+    resize from C++ alone would pass unseen, but then address or size differ unless
+    the allocator handed the same block back."""
+    attrs = getattr(storage, "__dict__", None)
+    if attrs is None:  # (no Python object to watch: ``_Pinned``, a tensor subclass)
+        return
+    regs = attrs.get(_WATCHERS)
+    if regs is None:
+        regs = attrs[_WATCHERS] = weakref.WeakSet()
+        resize, ref = type(storage).resize_, weakref.ref(storage)  # (no cycle through the storage)
+
+        def resize_(nbytes):
+            for r in list(regs):
+                r.resized = True
+            return resize(ref(), nbytes)
+
+        attrs["resize_"] = resize_
+    regs.add(reg)
 
 
 def _storage_at(storage) -> tuple[int, int]:
@@ -226,9 +260,16 @@ class Registrations:
         with self._lock:
             return list(self._idle.values())
 
-    def close(self) -> None:
-        """Deregister every registration, used ones too (the endpoint is leaving)."""
+    def close(self, keep=()) -> None:
+        """Deregister every registration, used ones too (the endpoint is leaving),
+        except those in ``keep``: memory a read may still write stays registered and
+        allocated (a leak, rather than memory freed under a transfer)."""
+        keep = {id(reg) for reg in keep}
         with self._lock:
             for reg in list(self._idle.values()) + list(self._used.values()):
+                if id(reg) in keep:
+                    log.warning("leaving %d bytes of %s registered: a read may still write them", reg.nbytes,
+                                reg.model)
+                    continue
                 self._deregister(reg, "closing")
             self._used = {}

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from tensorhub_cli.endpoint.endpoint import Endpoint
+from tensorhub_cli.endpoint.zombies import Zombies
 from tensorhub_cli.engines.serve import Regions
 from tensorhub_cli.engines.tcp import TcpEngine
 from tensorhub_cli.hub import protocol as p
@@ -49,6 +50,7 @@ def bare_endpoint() -> Endpoint:
     ep.served = Regions()
     ep.engine = ep.tcp = TcpEngine("t")
     ep._call = lambda op, timeout: p.Ok()
+    ep.zombies = Zombies("e", "i1", lambda key: None, 1.0)
     return ep
 
 

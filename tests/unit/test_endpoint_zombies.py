@@ -87,7 +87,7 @@ def test_a_new_fetch_waits_for_running_zombies_and_sends_a_pending_cancel_itself
     zs.add(zombie(engine, 0), origin="old fetch")
     zs.holdings()  # a re-registration pinned it again: the hub made a replica of ours
     with pytest.raises(FetchError, match="m@1"):
-        zs.wait_for(("m", 1), time.monotonic() + 0.1, Calls())
+        zs.wait_for(("m", 1), [], time.monotonic() + 0.1, Calls())
     engine.stopped = True
 
     def unreachable(op, timeout):
@@ -95,6 +95,6 @@ def test_a_new_fetch_waits_for_running_zombies_and_sends_a_pending_cancel_itself
 
     zs.reap(unreachable)  # stopped, but its Cancel did not get through: due at the next beat
     calls = Calls()
-    zs.wait_for(("m", 1), time.monotonic() + 5, calls)  # not a beat later: it cancels them itself
+    zs.wait_for(("m", 1), [], time.monotonic() + 5, calls)  # not a beat later: it cancels them itself
     assert [type(op) for op in calls] == [p.Cancel] and zs.idle()
     assert withdrawals == [], "the new fetch takes that replica over: withdrawing it would refuse its plans"

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from tensorhub_cli import BadArgument
-from tensorhub_cli.endpoint import endpoint as endpoint_module
-from tensorhub_cli.endpoint import streams
+from tensorhub_cli.endpoint import fetching, streams
 from tensorhub_cli.endpoint.endpoint import Endpoint
 from tensorhub_cli.endpoint.registrations import Registrations
+from tensorhub_cli.endpoint.fetch import FetchError
+from tensorhub_cli.endpoint.inflight import Zombie
+from tensorhub_cli.endpoint.zombies import Zombies
 from tensorhub_cli.engines.base import Engine, Region
 from tensorhub_cli.engines.serve import Regions
 from tensorhub_cli.hub import protocol as p
@@ -89,13 +91,14 @@ def bare_endpoint(engine: Engine, hub: Hub, cap: int | None = None) -> Endpoint:
     ep.name, ep.incarnation, ep.chunk_bytes, ep.small_bytes = "e", "i1", 1 << 20, SMALL
     ep.info = p.EndpointInfo(name="e", node="n")  # a host tier: these tensors are host memory
     ep.read_timeout_s = ep.plan_timeout_s = ep.call_timeout_s = 5.0
+    ep.drain_timeout_s = 5.0
     ep._lock = threading.Lock()
     ep._replicas = {}
     ep._claims, ep._claiming = set(), threading.Condition()
     ep.served = Regions()
     ep.engine = ep.tcp = engine
     ep._call = hub
-    ep.zombies = SimpleNamespace(wait_for=lambda key, deadline, call: None)
+    ep.zombies = Zombies("e", "i1", ep._replicas.get, 1.0, let_go=lambda reg: ep.registrations.release(reg))
     if cap is not None:
         ep._registrations = Registrations(engine, cap)
     return ep
@@ -142,7 +145,7 @@ def weights(seed: int) -> dict:
 def rig(monkeypatch):
     log: list = []
     engine, hub = CountingEngine(log), Hub(log)
-    monkeypatch.setattr(endpoint_module, "Fetch", CopyFetch)
+    monkeypatch.setattr(fetching, "Fetch", CopyFetch)
     CopyFetch.source = {}
     return engine, hub
 
@@ -299,3 +302,82 @@ def test_every_version_of_the_in_place_loop_reuses_the_first_registration(rig):
         ep.unpublish("m", v)
         sd["b1"].add_(1)  # a small tensor changes each step: the staging buffer is refilled
     assert len(engine.calls("register")) == 1 and len(ep.registrations.idle()) == 1
+
+
+class Stuck:
+    """An engine whose given-up read is not over until the test says so (NIXL over UCX)."""
+
+    def __init__(self):
+        self.over = False
+
+    def release(self, xfer) -> bool:
+        return self.over
+
+
+class GiveUpFetch(CopyFetch):
+    """Copies half the chunks, then fails with one read its engine cannot confirm over."""
+
+    engine: Stuck = Stuck()
+
+    def run(self) -> None:
+        raise FetchError("test: the holder stalled")
+
+    def stop(self, timeout: float):
+        h = self.held
+        return [Zombie(self.engine, object(), h.model, h.version, p.Read(chunk=0, source="pub"), h.world,
+                       tuple(h.shards))]
+
+    def unpinned(self):
+        return p.Progress(name="e", model=self.held.model, version=self.held.version, chunks=[], failed=[])
+
+
+def test_a_destination_a_given_up_read_may_still_write_is_fenced_until_the_read_ends(rig, monkeypatch):
+    """Scenario 2 of "no silent wrong bytes": a read of m@1 the engine could not stop
+    must not share memory (or a registration) with the fetch of m@2 that comes next."""
+    engine, hub = rig
+    pub, reader = bare_endpoint(CountingEngine(), hub), bare_endpoint(engine, hub)
+    publish(pub, 1, weights(1))
+    publish(pub, 2, weights(2))
+    into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    GiveUpFetch.engine = stuck = Stuck()
+    monkeypatch.setattr(fetching, "Fetch", GiveUpFetch)
+    with pytest.raises(FetchError, match="stalled"):
+        reader.fetch("m", 1, into=into, timeout=5)
+    monkeypatch.setattr(fetching, "Fetch", CopyFetch)
+    with pytest.raises(FetchError, match="may still be written by 1 given-up read"):
+        reader.fetch("m", 2, into=into, timeout=0.3)
+    assert len(engine.calls("register")) == 1, "memory a read may still write was registered again"
+    other = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+    assert reader.fetch("m", 2, into=other) == 2  # other memory is not fenced
+    stuck.over = True
+    reader.zombies.reap(hub)
+    assert reader.fetch("m", 1, into=into, timeout=5) == 1  # the read ended: the memory and its registration are free
+    assert len(engine.calls("register")) == 2, "the fenced registration was not handed back for reuse"
+    assert all(torch.equal(into[k], v) for k, v in weights(1).items())
+
+
+def test_memory_freed_and_regrown_at_the_same_address_is_never_reused():
+    """FSDP frees a parameter with ``storage.resize_(0)`` and regrows it before the
+    next forward, often at the same address and size: a registration over the old
+    allocation would serve freed pages (scenario 9 of "no silent wrong bytes")."""
+    engine = CountingEngine()
+    regs = Registrations(engine)
+    t = torch.empty(1 << 18)
+    storage = t.untyped_storage()
+
+    def regrow() -> None:
+        storage.resize_(0)
+        storage.resize_(t.nbytes)
+
+    for _ in range(5):  # (until the allocator hands the same block back each time, as glibc's mmap does)
+        regrow()
+    placed = Placed(views=[flat_bytes(t)], regions=[Region(t.data_ptr(), t.nbytes, -1)], keep=[t])
+    regs.release(regs.acquire("m", placed, [t]))
+    before = t.data_ptr()
+    regrow()
+    if t.data_ptr() != before:
+        pytest.skip("the allocator did not regrow the storage at the same address")
+    again = Placed(views=[flat_bytes(t)], regions=[Region(t.data_ptr(), t.nbytes, -1)], keep=[t])
+    regs.acquire("m", again, [t])
+    assert len(engine.calls("register")) == 2, "a registration over freed (then regrown) memory was reused"
+    assert engine.calls("deregister") == [engine.calls("register")[0]]

@@ -16,6 +16,7 @@ import torch
 
 from tensorhub_cli import BadArgument
 from tensorhub_cli.endpoint import endpoint as endpoint_module
+from tensorhub_cli.endpoint import fetching
 from tensorhub_cli.endpoint import streams
 from tensorhub_cli.endpoint.fetch import Fetch
 from tensorhub_cli.endpoint.inflight import Reading
@@ -78,7 +79,7 @@ def log(monkeypatch):
 
     monkeypatch.setattr(endpoint_module, "lay_out", lay_out_logged)
     monkeypatch.setattr(Placed, "finish", finish_logged)
-    monkeypatch.setattr(endpoint_module, "Fetch", CopyFetch)
+    monkeypatch.setattr(fetching, "Fetch", CopyFetch)
     CopyFetch.source = {}
     return log
 

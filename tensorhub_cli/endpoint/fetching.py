@@ -1,0 +1,157 @@
+"""A plain fetch around the transfer loop: name the version, claim it, set up the
+destination, run ``Fetch``, and on failure leave nothing behind (``Endpoint.fetch``).
+
+Protocol of ``fetch(ep, model, version, into=..., ...)`` (the caller's thread):
+
+1. Resolve the version at the hub (``waiting``; with the endpoint's group unless the
+   caller names another: contract 2).
+2. *Claim* it (``claim``): one fetch of a version at a time between "is it held?" and
+   holding it. A fetch of a version another thread of this endpoint is filling waits
+   for that one and takes its outcome: a complete replica in this memory returns at
+   once (nothing read); one in other memory is an ``EndpointError``.
+3. Set up: place ``into`` (a ``LayoutError`` here writes nothing), unpublish (drain)
+   any replica of ours in overlapping memory, and wait until no given-up read of an
+   earlier fetch may still write into it (``Zombies.wait_for``: the memory is fenced
+   until its engine reports those reads over); then register (or reuse a registration:
+   ``registrations``) and add the replica.
+4. Run the transfer loop (``fetch``). On any failure, ``abort``: stop the reads;
+   those the engine cannot confirm over become zombies, which keep their pins at the
+   hub and own the replica's registration (fenced) until they end; the others are
+   unpinned now; then the partial replica is withdrawn at the hub *with its drain*
+   (peers may be reading the chunks it served: their pins last up to their own read
+   timeout), within ``drain_timeout_s``, before it is dropped. The caller then gets
+   ``FetchError`` and owns ``into`` again (its contents undefined).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+from ..errors import EndpointError, FetchError, HubError, HubUnreachable, LayoutError
+from ..hub import protocol as p
+from . import checks, layouts, metrics, streams, waiting
+from .fetch import Fetch
+from .replica import Held
+
+log = logging.getLogger("tensorhub.endpoint")
+
+
+def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: Optional[str], timeout: float,
+          wait: bool, window: int, read_timeout: Optional[float], plan_timeout: Optional[float],
+          resolve_timeout: float) -> int:
+    """``Endpoint.fetch`` without a collective stage; see the module."""
+    model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
+        checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout,
+                          resolve_timeout)
+    started = time.monotonic()
+    deadline = started + timeout
+    resolved = waiting.resolve(ep._call, p.Resolve(name=ep.name, model=model, version=number, group=group),
+                               deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
+                               timeout=timeout)
+    resolved_at = time.monotonic()
+    with claim(ep, (model, resolved.version), deadline):
+        held = _settled(ep, (model, resolved.version), deadline)
+        if held is not None and held.complete and (
+                callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
+                <= {r.addr for r in held.placed.regions}):
+            streams.reached(held.placed.device, held.written)  # (another thread's scatters, on its stream)
+            ep.last_fetch = {"bytes": 0, "reads": 0, "corrupt": 0, "failed": 0, "from_publishers": 0,
+                             **metrics.stages(started, resolved_at, resolved_at, {}, time.monotonic())}
+            return resolved.version  # already a complete holder of it (in this memory, if one was given)
+        if held is not None:
+            raise EndpointError(f"{ep.name} already holds {model}@{resolved.version} in other memory "
+                                "(or is still fetching it); unpublish it first")
+        held = set_up(ep, resolved, into, deadline)
+    set_up_at = time.monotonic()
+    job = Fetch(ep, held, deadline, window,
+                read_timeout=ep.read_timeout_s if read_timeout is None else read_timeout,
+                plan_timeout=ep.plan_timeout_s if plan_timeout is None else plan_timeout,
+                describe_timeout=ep.call_timeout_s)
+    try:
+        job.run()
+    except BaseException as exc:
+        abort(ep, job, held)
+        if isinstance(exc, FetchError):
+            raise FetchError(f"{ep.name}: fetch of {model}@{resolved.version} failed: {exc}; "
+                             "the destination holds no version") from None
+        raise
+    streams.reached(held.placed.device, held.written)  # the last scatter, before the caller's next kernel
+    ep.last_fetch = {**job.stats, **metrics.stages(started, resolved_at, set_up_at, job.times, time.monotonic())}
+    metrics.observe(ep.last_fetch)
+    return resolved.version
+
+
+def _settled(ep, key: tuple[str, int], deadline: float) -> Optional[Held]:
+    """Our replica of ``key`` once no other thread is filling it (its outcome is ours:
+    a complete replica or none), or None."""
+    held = ep._replicas.get(key)
+    while held is not None and not held.complete and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a retention pull beside a `th sync`, on the agent's two workers)
+        held = ep._replicas.get(key)
+    return held
+
+
+def set_up(ep, resolved: p.Resolved, into, deadline: float, *, whole: bool = False) -> Held:
+    """Place ``into``, drain what of ours overlaps it, wait out the fences on it, then
+    register and add the replica (step 3). ``whole``: refuse a destination in another
+    layout than the publishers' (a collective stage shares whole chunks)."""
+    key = (resolved.model, resolved.version)
+    if callable(into):  # a destination made to measure (agents' host copies)
+        into = into(resolved.shards)
+    placed = layouts.place(resolved.shards, into)  # LayoutError here: nothing written, nothing held
+    if whole and placed.wanted is not None:
+        raise LayoutError("a collective fetch fills the publishers' layout (whole tensors); fetch a destination "
+                          "in another layout without collective=", [f"{key[0]}@{key[1]}: destination in another "
+                                                                   "layout"])
+    ep._check_tier(placed, "into")
+    for old in [h for h in ep._held() if h.overlaps(placed.regions)]:
+        ep.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
+    ep.zombies.wait_for(key, placed.regions, deadline, ep._call)
+    held = ep._register(resolved.model, resolved.version, resolved.world, resolved.shards, -1, placed,
+                        layouts.registered(into))
+    ep._add(held)
+    return held
+
+
+@contextmanager
+def claim(ep, key: tuple[str, int], deadline: float):
+    """One fetch of a version at a time between "is it held?" and holding it. Two
+    fetches of one version (a retention pull and a `th sync`, on the agent's two
+    workers) would otherwise both find it unheld, and the second to register would
+    fail "already holds" though the first would have served it."""
+    with ep._claiming:
+        if not ep._claiming.wait_for(lambda: key not in ep._claims, timeout=max(0.0, deadline - time.monotonic())):
+            raise EndpointError(f"{ep.name} is still setting up another fetch of {key[0]}@{key[1]}; "
+                                "gave up at the fetch's timeout")
+        ep._claims.add(key)
+    try:
+        yield
+    finally:
+        with ep._claiming:
+            ep._claims.discard(key)
+            ep._claiming.notify_all()
+
+
+def abort(ep, job: Fetch, held: Held) -> None:
+    """A failed fetch leaves no replica (step 4 of the module)."""
+    left = job.stop(timeout=ep.call_timeout_s)
+    if left:
+        log.warning("%s: %d read(s) of %s@%s did not end within %.1fs; they stay pinned, and their memory "
+                    "fenced, until their engine reports them over", ep.name, len(left), held.model, held.version,
+                    ep.call_timeout_s)
+        ep.zombies.add(*left, origin=held)  # (they own its registration now)
+        release: p.Op = job.unpinned()
+    else:
+        release = p.Cancel(name=ep.name, model=held.model, version=held.version, incarnation=ep.incarnation)
+    try:
+        ep._call(release, timeout=ep.call_timeout_s)
+    except (HubError, HubUnreachable) as exc:
+        log.warning("%s after a failed fetch: %s", type(release).__name__, exc)
+    try:  # peers may be reading the chunks we served: wait for their drain, as an unpublish does
+        ep._unpublish_at_hub(held.model, held.version, ep.drain_timeout_s)
+    except (HubError, HubUnreachable, EndpointError) as exc:
+        log.warning("withdrawing the partial replica after a failed fetch: %s", exc)
+    ep._drop(held, registration="keep" if left else "release")
