@@ -222,6 +222,10 @@ def _read(me: Member, resolved: p.Resolved, into, deadline: float, window: int,
     ep = me.ep
     key = (resolved.model, resolved.version)
     held = ep._replicas.get(key)
+    if held is not None and held.rank >= 0 and held.world > 1:
+        raise EndpointError(f"{ep.name} publishes shard {held.rank} of {held.world} of {key[0]}@{key[1]}, and an "
+                            "endpoint holds one replica of a version: fetch the whole version on an endpoint of "
+                            "its own (connect with another name)")
     if held is not None:
         complete = (held.rank >= 0 and held.world == 1) or len(held.held) == len(held.placed.views)
         if not complete or (not callable(into) and not {t.data_ptr() for t in into.values() if t.nbytes}
