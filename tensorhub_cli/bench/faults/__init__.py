@@ -57,6 +57,13 @@ Faults (in this order):
   second holder into the same memory. recovery_s = how long that unpublish waited.
   With ``--engine nixl`` it is skipped (``skipped`` says so): nothing throttles NIXL
   serving here, so no read can be made to outlive its timeout.
+- ``nixl_giveup`` (``data``): a NIXL read given up while its holder is stalled (its
+  progress held up ``NIXL_STALL_S``; reader's read timeout ``NIXL_TIMEOUT_S``); the
+  holder unpublishes and overwrites its tensors, then resumes. A given-up GET is not
+  stopped by releasing it (NIXL issue #1958), so its chunk must stay fenced and its
+  source pinned until NIXL reports it final; lost_bytes also counts what landed after
+  the fetch returned. Its three processes always run the nixl engine; where NIXL does
+  not load it is skipped (``skipped`` says so).
 - ``link_down`` (``link``, testbed only: root and network namespaces): ``ip link set
   down`` on the link of a source mid-read; its reads time out, the hub expires it,
   the fetch completes from the other holder.
@@ -78,18 +85,20 @@ from __future__ import annotations
 
 from ..rig import Driven, HubProcess, RigError
 from ..testbed import unavailable as testbed_unavailable
-from .data import corrupt_chunk, zombie_read
+from .data import corrupt_chunk, nixl_giveup, zombie_read
 from .hostile import rows as hostile
 from .link import link_down
 from .processes import kill_agent, kill_hub, kill_reader, kill_source, slow_heartbeat
 from .rows import CHUNKS, EXPIRY_S, Run
 
 FAULTS = ["kill_source", "kill_reader", "corrupt_chunk", "kill_hub", "kill_agent", "slow_heartbeat", "zombie_read",
-          "bad_token", "garbage_frames"]
+          "nixl_giveup", "bad_token", "garbage_frames"]
 TESTBED_FAULTS = ["link_down"]  # root and network namespaces (``bench.testbed``)
 TARGET_S = 2.0  # an unfaulted throttled fetch takes about this long
 ZOMBIE_READ_S = 3.0  # zombie_read: one chunk read from its slow source takes this long
 ZOMBIE_TIMEOUT_S = 1.0  # ... and its reader's read timeout is this
+NIXL_STALL_S = 1.5  # nixl_giveup: the holder serves nothing this long (below the hub's expiry) ...
+NIXL_TIMEOUT_S = 0.4  # ... while its reader gives reads up after this
 
 
 def run(mib: float = 64, engine: str = "tcp", timeout: float = 120, window: int = 2,
@@ -110,12 +119,18 @@ def run(mib: float = 64, engine: str = "tcp", timeout: float = 120, window: int 
         def spawn(name: str, env: dict | None = None, *more: str) -> Driven:
             return Driven(name, ["-m", "tensorhub_cli.bench.faults", "--name", name, *args, *more], env=env)
 
+        def spawn_nixl(name: str, *more: str) -> Driven:  # (the later --engine wins)
+            return spawn(name, None, "--engine", "nixl", *more)
+
         procs: dict[str, Driven] = {}
         try:
             for name, env in [("pubA", slow), ("holderB", slow), ("reader", None), ("victim", None),
                               ("reader2", None), ("slowZ", slower)]:
                 procs[name] = spawn(name, env)
             procs["readerZ"] = spawn("readerZ", None, "--read-timeout-s", str(ZOMBIE_TIMEOUT_S))
+            if "nixl_giveup" in faults:
+                procs["stallG"], procs["holderG"] = spawn_nixl("stallG"), spawn_nixl("holderG")
+                procs["readerG"] = spawn_nixl("readerG", "--read-timeout-s", str(NIXL_TIMEOUT_S))
             engines = {d.hello["engine"] for d in procs.values()}  # all start in parallel; wait for each
             survivor = procs["pubA"]
             if "kill_source" in faults:
@@ -136,6 +151,12 @@ def run(mib: float = 64, engine: str = "tcp", timeout: float = 120, window: int 
                                           "run it with --engine tcp")
             elif "zombie_read" in faults:
                 rows.append(zombie_read(r, procs["slowZ"], procs["reader2"], procs["readerZ"]))
+            if "nixl_giveup" in faults:
+                nixl = {procs[n].hello["engine"] for n in ("stallG", "holderG", "readerG")} == {"nixl"}
+                if nixl:
+                    rows.append(nixl_giveup(r, procs["stallG"], procs["holderG"], procs["readerG"], NIXL_STALL_S))
+                else:
+                    skipped["nixl_giveup"] = "NIXL did not load here (its processes fell back to tcp)"
             wanted = [f for f in ("bad_token", "garbage_frames") if f in faults]
             if wanted:
                 rows += hostile(r, survivor, procs["reader2"], wanted)

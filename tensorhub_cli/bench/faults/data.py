@@ -1,4 +1,5 @@
-"""Faults of the bytes: a holder serving flipped bits; a read that outlives its timeout."""
+"""Faults of the bytes: a holder serving flipped bits; a read that outlives its timeout;
+a NIXL read given up while its holder is stalled."""
 
 from __future__ import annotations
 
@@ -56,3 +57,39 @@ def zombie_read(r: Run, slow: Driven, fast: Driven, reader: Driven) -> dict:
     extra = (f"a read from {slow.name} timed out, {slow.name} unpublished (waited {gone['s']:.2f}s) and overwrote "
              "its tensors while the fetch went on" if landed else f"no read from {slow.name} timed out (no zombie)")
     return fetch_row("zombie_read", res, base["s"], gone["s"], extra, need=landed)
+
+
+def nixl_giveup(r: Run, stalled: Driven, other: Driven, reader: Driven, stall_s: float) -> dict:
+    """A NIXL read given up while its holder is stalled, then the holder resumes.
+    ``stalled`` and ``other`` hold ``ng@1``; ``reader`` (read timeout below
+    ``stall_s``), never connected to ``stalled`` before (a connection needs the
+    holder's progress to set up; once set up, shared-memory GETs on one host do not),
+    fetches it while ``stalled`` serves nothing for ``stall_s`` (its progress held up;
+    its process and peer channel run). Its reads time out and are
+    given up; over UCX a given-up GET is not stopped by releasing it, so the reader
+    must not count it over (contract 3): its source stays pinned and its chunk is not
+    read again until NIXL reports it final. Meanwhile ``stalled`` unpublishes ``ng@1``
+    and overwrites its tensors the moment that returns. Once it resumed and any late
+    GET landed, the reader's destination is counted again: lost_bytes is the larger
+    count. recovery_s: how long that unpublish waited (for the pinned read)."""
+    r.publish(other, "ng", 1)
+    base = r.unfaulted("nixl_giveup", reader, "ng", 1)  # (before ``stalled`` holds it: no connection to it yet)
+    r.publish(stalled, "ng", 1)
+    until = stalled.ask("stall", seconds=stall_s)["until"]
+    r.send_fetch(reader, "ng", 1)
+    time.sleep(stall_s / 2)  # (past the reader's read timeout: its reads from the stalled holder were given up)
+    stalled.send("unpublish", model="ng", version=1, timeout=r.timeout, overwrite=True)
+    res = reader.recv(r.timeout + 30)
+    gone = stalled.recv(r.timeout + 30)
+    time.sleep(0.5)  # (a late GET lands within milliseconds of the holder's next progress call)
+    later = reader.ask("recount", model="ng", version=1, mib=r.mib)["lost_bytes"]
+    if gone.get("error"):
+        return row("nixl_giveup", False, 0, None, None, f"{stalled.name}'s unpublish failed: {gone['error']}")
+    if not res.get("error"):
+        res = {**res, "lost_bytes": max(res["lost_bytes"], later)}
+    given_up = res.get("stats", {}).get("failed", 0) > 0
+    drained = gone["t_done"] >= until  # contract 3: no sooner than the holder resumed, with a GET of it posted
+    extra = (f"{stalled.name} stalled {stall_s:.1f}s mid-fetch, then unpublished (waited {gone['s']:.2f}s, "
+             f"{'after' if drained else 'BEFORE'} it resumed) and overwrote its tensors; lost bytes counted again "
+             f"after: {later}" if given_up else f"no read from {stalled.name} was given up")
+    return fetch_row("nixl_giveup", res, base["s"], gone["s"], extra, need=given_up and drained)

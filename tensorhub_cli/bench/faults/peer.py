@@ -3,12 +3,14 @@
 ``bench.peer``'s JSON-line ops, plus: a ``fetch`` that zeroes its destination first
 and counts the bytes that differ from the published tensors afterwards (``lost_bytes``),
 an ``unpublish`` that can overwrite the unpublished tensors once it returned (what a
-trainer's optimizer step does), ``corrupt`` (flip a byte of every chunk we hold) and
-``peer_address``.
+trainer's optimizer step does), ``corrupt`` (flip a byte of every chunk we hold),
+``recount`` (lost bytes counted again later), ``stall`` (stop serving NIXL reads a
+while) and ``peer_address``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -60,6 +62,34 @@ class FaultPeer(Peer):
         for view in views:
             view[0] = (int(view[0]) + 1) % 256
         return {"corrupted": len(views)}
+
+    def recount(self, model: str, version: int, mib: float) -> dict:
+        """``lost_bytes`` of our last fetch of ``model`` counted again now: a given-up
+        read that lands after the fetch returned shows here."""
+        want, dst = tensors(mib, version), self.dsts[model]
+        return {"lost_bytes": sum(int((dst[k].view(torch.uint8) != v.view(torch.uint8)).sum())
+                                  for k, v in want.items())}
+
+    def stall(self, seconds: float) -> dict:
+        """Stop serving reads for ``seconds`` without stopping the process: NIXL reads
+        of our memory need our progress calls, which wait for the engine's lock (our
+        peer channel still answers, from the description it cached)."""
+        lock = getattr(self.ep.engine, "_lock", None)
+        if lock is None:
+            return {"error": f"the {self.ep.engine.kind} engine has no progress to stall"}
+        for held in self.ep._held():  # (our peer channel answers from these while the engine is held)
+            held.described(self.ep.engine)
+        taken, until = threading.Event(), []
+
+        def hold() -> None:
+            with lock:
+                until.append(time.monotonic() + seconds)
+                taken.set()
+                time.sleep(seconds)
+
+        threading.Thread(target=hold, daemon=True).start()
+        taken.wait(5)
+        return {"until": until[0]}  # (monotonic: one clock for every process of this host)
 
     def peer_address(self) -> dict:
         return {"address": self.ep.peer.address}
