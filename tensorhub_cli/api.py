@@ -5,9 +5,10 @@ Protocol. ``connect(hub="tcp://HOST:PORT", token=..., name=..., ...)`` is
 looks the cluster up (``launch.lookup``): the hub address, token and the node's place
 (address, rack, DC) always come from the cluster; the engine, ``heartbeat_s`` and the
 endpoint timeouts come from it unless the caller passes them. Either way it returns a
-registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named)
-or ``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
-registration in time).
+registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named),
+``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
+registration in time) or ``HubError`` (the hub refused us for good: ``auth``, a bad
+token, at once).
 
 Imports are deferred to the call: ``import tensorhub_cli`` (every ``th`` command)
 must not pay for the endpoint stack.
@@ -85,7 +86,8 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
         ``SyncCommands``, serving ``th sync`` into what ``accept_sync`` named).
 
     Raises ``BadArgument`` naming a bad argument; ``EndpointError`` when the cluster
-    cannot be looked up or the hub does not accept the registration in time.
+    cannot be looked up or the hub does not accept the registration in time;
+    ``HubError`` (code ``auth``) at once when the hub refuses our token.
     """
     from . import endpoint as endpoint_lib  # (deferred: see the module)
 
