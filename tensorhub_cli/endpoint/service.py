@@ -13,7 +13,7 @@ also reaps reads a failed fetch left behind (``Endpoint._reap``).
 
 A refusal no retry can change (``FINAL``: ``auth``, a bad cluster token; ``version``,
 a protocol the hub does not speak) also stops the thread at once, with one log line;
-``refused`` keeps it as a ``HubError``, and ``wait_registered`` raises it to whoever
+``refused`` keeps the answer, and ``wait_registered`` raises it as a ``HubError`` to whoever
 waits for the registration (``connect``) instead of letting them wait out their timeout.
 
 Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
