@@ -1,12 +1,15 @@
 """A trainer and two vLLM engines sharing weight versions through TensorHub.
 
 Protocol. The trainer (a ``transformers`` model loaded from ``MODEL_DIR``, "trained" here
-by a small perturbation) publishes its HF state dict as ``policy@1`` with its own
-endpoint. Two vLLM engines started from ``MODEL_DIR`` with the ``"tensorhub"``
-weight-transfer backend each load version 1 between generations: the first reads it
-from the trainer, the second from the first engine's staging copy (every reader becomes
-a holder). Public APIs only: ``tensorhub_cli.api.connect``, ``Endpoint.publish``, and
-vLLM's ``LLM`` weight-transfer calls.
+by a small perturbation) publishes its HF state dict as the next version of ``policy``
+with its own endpoint: one above the newest the hub holds (``next_version``; 1 on a
+fresh cluster), so the example runs any number of times on one cluster (an older number
+would be refused ``stale``, one the hub holds ``conflict``: other bytes). Two vLLM
+engines started from ``MODEL_DIR`` with the ``"tensorhub"`` weight-transfer backend
+each load that version between generations: the first reads it from the trainer, the
+second from the first engine's staging copy (every reader becomes a holder). Public
+APIs only: ``tensorhub_cli.api.connect``, ``Endpoint.versions``, ``Endpoint.publish``,
+and vLLM's ``LLM`` weight-transfer calls.
 
 Run (a cluster from ``th up specs/local.yaml``, or any hub and its token file):
 
@@ -22,6 +25,20 @@ from __future__ import annotations
 import argparse
 
 PROMPT = "The capital of France is"
+
+
+def next_version(ep, model: str) -> int:
+    """One above the newest version of ``model`` the hub holds (retention copies of
+    earlier runs included); 1 when it holds none."""
+    from tensorhub_cli import HubError
+
+    try:
+        held = ep.versions(model)
+    except HubError as exc:
+        if exc.code != "not_found":  # (not_found: the hub knows no version of it)
+            raise
+        held = []
+    return max((v.version for v in held), default=0) + 1
 
 
 def main() -> None:
@@ -65,13 +82,15 @@ def main() -> None:
             for p in trainer.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
         # HF names: each engine's load_weights maps them onto vLLM's (fused) parameters.
-        trainer_ep.publish("policy", 1, {n: p.detach() for n, p in trainer.named_parameters()})
+        version = next_version(trainer_ep, "policy")
+        trainer_ep.publish("policy", version, {n: p.detach() for n, p in trainer.named_parameters()})
 
         for i, llm in enumerate(engines):
             llm.start_weight_update()  # (generation is paused by the caller meanwhile)
-            llm.update_weights({"update_info": {"version": 1, "timeout": args.timeout}})
-            llm.finish_weight_update(weight_version="1")
-            print(f"engine {i}, version 1:", llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text)
+            llm.update_weights({"update_info": {"version": version, "timeout": args.timeout}})
+            llm.finish_weight_update(weight_version=str(version))
+            print(f"engine {i}, version {version}:",
+                  llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text)
 
         for llm in engines:  # unpublish the engines' staging copies while the hub is reachable
             llm.shutdown_weight_transfer_engine()

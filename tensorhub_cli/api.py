@@ -5,9 +5,10 @@ Protocol. ``connect(hub="tcp://HOST:PORT", token=..., name=..., ...)`` is
 looks the cluster up (``launch.lookup``): the hub address, token and the node's place
 (address, rack, DC) always come from the cluster; the engine, ``heartbeat_s`` and the
 endpoint timeouts come from it unless the caller passes them. Either way it returns a
-registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named)
-or ``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
-registration in time).
+registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named),
+``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
+registration in time) or ``HubError`` (the hub refused us for good: ``auth``, a bad
+token, at once).
 
 Imports are deferred to the call: ``import tensorhub_cli`` (every ``th`` command)
 must not pay for the endpoint stack.
@@ -19,6 +20,7 @@ from typing import Callable, Literal, Optional
 
 from .errors import BadArgument, EndpointError
 
+_HOST = "127.0.0.1"  # what an endpoint binds when given no host (endpoint.connect)
 _CALLER_WINS = ("engine", "heartbeat_s", "read_timeout_s", "plan_timeout_s", "drain_timeout_s")
 
 
@@ -77,21 +79,23 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
 
     Metrics:
       metrics_port: serve this process's fetch histograms (per-stage seconds, bytes:
-        ``endpoint.metrics``) on ``/metrics`` at this port (0: any free one); None
-        (default): ``$TH_METRICS_PORT`` if set, else not served.
+        ``endpoint.metrics``) on ``/metrics`` at this port (0: any free one) of our
+        address (``host``, or the node's with ``cluster``; never every interface: the
+        listener has no authentication); None (default): ``$TH_METRICS_PORT`` if set,
+        else not served.
 
     Hooks:
       on_command: ``handler(endpoint, command)`` for commands the hub pushes (default:
         ``SyncCommands``, serving ``th sync`` into what ``accept_sync`` named).
 
     Raises ``BadArgument`` naming a bad argument; ``EndpointError`` when the cluster
-    cannot be looked up or the hub does not accept the registration in time.
+    cannot be looked up or the hub does not accept the registration in time;
+    ``HubError`` (code ``auth``) at once when the hub refuses our token.
     """
     from . import endpoint as endpoint_lib  # (deferred: see the module)
 
     if (hub is None) == (cluster is None):
         raise BadArgument("connect needs exactly one of hub=... or cluster=...")
-    _serve_metrics(metrics_port)
     given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, device=device, kind=kind,
                  engine=engine, host=host, dc=dc, rack=rack, heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s,
                  plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
@@ -112,13 +116,19 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
             if key in options:
                 found.pop(key, None)
         options.update(found)
+        _serve_metrics(metrics_port, options.get("host") or _HOST)
         return endpoint_lib.connect(**options)
+    _serve_metrics(metrics_port, options.get("host") or _HOST)
     return endpoint_lib.connect(hub=hub, token=token, **options)
 
 
-def _serve_metrics(port: Optional[int]) -> None:
+def _serve_metrics(port: Optional[int], host: str = _HOST) -> None:
+    """Opt-in: serve the fetch histograms on ``host`` (the node's address, as the hub's
+    metrics) when ``port`` or ``$TH_METRICS_PORT`` says so; else nothing listens."""
     import os
 
+    if not isinstance(host, str) or not host:
+        raise BadArgument(f"host takes an address (a non-empty str), not {host!r}")
     if port is None:
         raw = os.environ.get("TH_METRICS_PORT", "")
         if not raw:
@@ -132,6 +142,6 @@ def _serve_metrics(port: Optional[int]) -> None:
     from .endpoint import metrics
 
     try:
-        metrics.serve(port)
+        metrics.serve(port, host)
     except OSError as exc:
         raise BadArgument(f"metrics_port {port}: cannot serve /metrics there ({exc.strerror or exc})") from None

@@ -16,7 +16,9 @@ had before this hierarchy existed, so older ``except`` clauses still match:
     ``LayoutError`` (also ``ValueError``): a state_dict does not fit a manifest; nothing
         was written. ``problems`` lists every mismatch.
     ``HubError``: the hub refused an operation; ``code`` is its reason (``not_found``,
-        ``unavailable``, ``draining``, ``fenced``, ...), ``error`` the hub's answer.
+        ``unavailable``, ``draining``, ``fenced``, ``conflict``, ``stale``: a publish
+        the hub would not keep, ``auth``: a bad cluster token, final at once, ...),
+        ``error`` the hub's answer.
         ``VersionNotFound``: a fetch named a version (or ``latest``) the hub cannot
             resolve yet: unknown (``not_found``) or not READY (``not_ready``).
     ``HubUnreachable``: the hub did not answer within the call's timeout.

@@ -115,7 +115,7 @@ def run(hub: str, token: str, node: str, address: str, dc: str, rack: str, spot:
     name = f"agent-{node}"
     from ..api import _serve_metrics
 
-    _serve_metrics(None)  # $TH_METRICS_PORT: the retention pulls' fetch histograms (endpoint.metrics)
+    _serve_metrics(None, address)  # $TH_METRICS_PORT: the retention pulls' fetch histograms, on the node's address
     kept = Store.open(agent_dir(name, hub, cluster, store), token)
     log.info("copies are stored in %s", kept.root)
     copies = kept.recover()

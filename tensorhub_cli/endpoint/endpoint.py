@@ -233,7 +233,7 @@ class Endpoint:
             return list(self._replicas.values())
 
     def _await_registered(self, timeout: float) -> None:
-        if not self.service.registered.wait(timeout):
+        if not self.service.wait_registered(timeout):  # (a bad token raises at once: HubError auth)
             raise EndpointError(f"{self.name}: hub at {self._hub} did not accept our registration "
                                 f"within {timeout:.0f}s ({self.service.last_error or 'no answer'})")
 

@@ -10,9 +10,12 @@ microseconds between them. Adapters add ``load_s`` (the engine loading the weigh
 and ``pause_s`` (the engine's pause to resume).
 
 ``observe(stats)`` adds one fetch to the process's histograms
-(``th_fetch_stage_seconds{stage}``, ``th_fetch_bytes``). ``serve(port)`` exposes
-them on ``/metrics`` (once per process; ``connect(metrics_port=)`` or the
-``TH_METRICS_PORT`` environment variable, which agents started by ``th up`` inherit).
+(``th_fetch_stage_seconds{stage}``, ``th_fetch_bytes``). ``serve(port, addr)`` exposes
+them on ``/metrics`` (once per process) on ``addr``, the node's address the endpoint
+binds (as the hub's metrics bind the hub node's), never every interface: the listener
+has no authentication. Opt-in: only ``connect(metrics_port=)`` or the
+``TH_METRICS_PORT`` environment variable starts it (``api._serve_metrics``); nothing
+sets either by default.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ SECONDS = Histogram("th_fetch_stage_seconds", "Seconds per stage of a fetch or a
                     ["stage"], buckets=_BUCKETS, registry=REGISTRY)
 BYTES = Histogram("th_fetch_bytes", "Bytes one fetch read from holders", registry=REGISTRY,
                   buckets=tuple(float(1 << n) for n in range(10, 44, 2)))
-_served: list[int] = []
+_served: list = []  # the one server of this process
 _lock = threading.Lock()
 
 
@@ -48,11 +51,21 @@ def observe(stats: dict) -> None:
         BYTES.observe(stats["bytes"])
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> int:
-    """Expose this process's histograms on ``/metrics`` at ``port`` (0: any free one);
-    returns the port. A second call returns the first one's port."""
+def serve(port: int, addr: str) -> int:
+    """Expose this process's histograms on ``/metrics`` at ``addr``:``port`` (0: any
+    free port); returns the port. A second call returns the first one's port (one
+    process, one listener: its first endpoint's address)."""
     with _lock:
         if not _served:
             server, _ = start_http_server(port, addr=addr, registry=REGISTRY)
-            _served.append(server.server_port)
-        return _served[0]
+            _served.append(server)
+        return _served[0].server_port
+
+
+def shutdown() -> None:
+    """Stop serving (tests: a process otherwise serves until it exits)."""
+    with _lock:
+        while _served:
+            server = _served.pop()
+            server.shutdown()
+            server.server_close()

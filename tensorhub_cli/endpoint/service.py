@@ -11,6 +11,11 @@ process replaced us under our name: the thread stops for good (no more beats), a
 ``fenced`` says why, so fetches in progress and later calls fail naming it. Each beat
 also reaps reads a failed fetch left behind (``Endpoint._reap``).
 
+A refusal no retry can change (``FINAL``: ``auth``, a bad cluster token; ``version``,
+a protocol the hub does not speak) also stops the thread at once, with one log line;
+``refused`` keeps the answer, and ``wait_registered`` raises it as a ``HubError`` to whoever
+waits for the registration (``connect``) instead of letting them wait out their timeout.
+
 Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
 1 ms while readers are at our memory (the engine's passive side must progress for
 peers' reads to finish), 10 ms while we hold memory nobody asked about lately, 50 ms
@@ -40,6 +45,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 
 log = logging.getLogger("tensorhub.endpoint")
+FINAL = frozenset({"auth", "version"})  # refusals the same request will always get
 
 
 class Service:
@@ -58,6 +64,8 @@ class Service:
         self.stopping = threading.Event()
         self.last_error: str | None = None
         self.fenced: str | None = None  # the hub's reason, once another process replaced us
+        self.refused: p.Error | None = None  # a FINAL refusal: the thread stopped
+        self._settled = threading.Condition()  # notified when ``registered`` is set or ``refused``
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fetch, load
         self.retention: queue.SimpleQueue = queue.SimpleQueue()  # retain, release
         self._exit_lock = threading.Lock()
@@ -78,7 +86,9 @@ class Service:
         if not self.registered.is_set():
             self.client.call(p.Register(info=self.ep.info, holdings=self.ep.holdings()), timeout=timeout)
             self.registrations += 1
-            self.registered.set()
+            with self._settled:
+                self.registered.set()
+                self._settled.notify_all()
             return
         try:
             self.client.call(p.Heartbeat(name=self.ep.name, incarnation=self.ep.incarnation), timeout=timeout)
@@ -112,6 +122,9 @@ class Service:
                         self.fenced = f"{self.ep.name} was fenced by the hub: {exc.error.message}"
                         log.error("%s; this endpoint stops", self.fenced)
                         return
+                    if isinstance(exc, HubError) and exc.code in FINAL:
+                        self._refuse(exc)
+                        return
                     log.warning("%s: %s", self.ep.name, exc)
                 next_beat = now + self.heartbeat_s
                 try:  # reads a failed fetch left behind: released, and unpinned once stopped
@@ -129,6 +142,23 @@ class Service:
                 (self.retention if retention else self.commands).put(cmd)
             if holding:
                 self.ep.engine.progress()
+
+    def _refuse(self, exc: HubError) -> None:
+        why = p.Error(code=exc.code, message=f"the hub at {self.client.address} refused {self.ep.name}: "
+                                             f"{exc.error.message} (final: no retry can change it)")
+        log.error("%s: %s", why.code, why.message)
+        with self._settled:
+            self.refused = why
+            self._settled.notify_all()
+
+    def wait_registered(self, timeout: float) -> bool:
+        """True once registered within ``timeout``, False if not; raises the hub's
+        ``HubError`` at once when it refused us for good (``refused``)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self.registered.is_set() or self.refused is not None, timeout)
+            if self.refused is not None:
+                raise HubError(self.refused)
+            return self.registered.is_set()
 
     def _slice(self, holding: bool, now: float) -> float:
         """How long to wait for hub frames before progressing the engine again. While
@@ -165,7 +195,7 @@ class Service:
                             self.ep.name, join_timeout)
                 self._orphaned = True
                 return
-        if self.fenced:  # the hub would refuse it (fenced): nothing of ours is left there
+        if self.fenced or self.refused:  # the hub would refuse it: nothing of ours is left there
             self.client.close()
             return
         try:

@@ -288,8 +288,8 @@ class Request(Msg):
 
 class Error(Msg, tag="error"):
     # auth, malformed, too_large, version, internal (refused by the service); unknown_endpoint,
-    # conflict, not_found, not_ready, unavailable, draining, bad_request (refused by the hub's state
-    # machine); timeout (a deferred answer: a Withdraw not done within its timeout_s)
+    # conflict, not_found, not_ready, unavailable, draining, bad_request, stale (refused by the hub's
+    # state machine); timeout (a deferred answer: a Withdraw not done within its timeout_s)
     code: str
     message: str
     missing: list[int] = []  # for code == "unavailable": chunk ids no live endpoint holds

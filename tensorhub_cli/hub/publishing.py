@@ -9,6 +9,14 @@ complete before every live reader has told the hub what it is reading.
 
 A ``Publish`` whose model name does not match ``names.MODEL_PATTERN`` is refused
 ``bad_request``, and one adding to a version an operator is withdrawing ``conflict``.
+One the hub would not keep is refused ``stale``: a version not READY yet that is
+older than every version retention keeps (``retention.outranked``) would be dropped the
+moment it turned READY, and its readers would wait for a version that vanished; the
+message names the versions held and the next number to publish. A shard whose
+manifest differs from the one known under its number (other bytes, shapes or world)
+is refused ``conflict`` naming the fix: a new number, or ``th unpublish MODEL V``.
+Restoring a holding (a re-registration) is never refused as stale: what endpoints
+hold is rebuilt as it was (contract 7).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from . import protocol as p
 from .draining import drop_old, settle, withdrawn_numbers
 from .faults import HubFault
 from .registry import READY, Replica, Version
+from .retention import outranked
 from .state import HubState
 
 
@@ -38,6 +47,8 @@ def publish(hub: HubState, now: float, op: p.Publish) -> p.Ok:
         raise HubFault("conflict", f"{op.model}@{op.version} is being withdrawn (th unpublish); publish it "
                                    "again once that is done")
     known = hub.models.get(op.model, {}).get(op.version)
+    if known is None or not known.ever_ready:
+        check_kept(hub, op.model, op.version)
     was = known.state if known else None
     v = add_shard(hub, op.name, op.model, op.version, op.rank, op.world, op.manifest)
     hub.count("publishes")
@@ -45,6 +56,22 @@ def publish(hub: HubState, now: float, op: p.Publish) -> p.Ok:
         hub.event(now, "ready", op.name, op.model, op.version)
     settle(hub, now)
     return p.Ok()
+
+
+def check_kept(hub: HubState, model: str, number: int) -> None:
+    """A ``stale`` fault when retention would drop ``model@number`` once READY."""
+    versions = hub.models.get(model, {})
+    policy = hub.policy(model)
+    kept = outranked(number, versions, policy, withdrawn_numbers(hub).get(model, ()))
+    if kept:
+        held = ", ".join(str(n) for n in sorted(versions, reverse=True))
+        raise HubFault("stale", f"{model}@{number} would be dropped at once: the hub holds {model}@{held} and "
+                                f"keeps the newest {policy.keep_latest} (keep_latest); publish "
+                                f"{model}@{max(versions) + 1} or later")
+
+
+def _republish_hint(model: str, number: int) -> str:
+    return f"publish it under a new version, or withdraw the old one first: th unpublish {model} {number}"
 
 
 def add_shard(hub: HubState, name: str, model: str, number: int, rank: int, world: int,
@@ -56,9 +83,11 @@ def add_shard(hub: HubState, name: str, model: str, number: int, rank: int, worl
     if v is None:
         v = versions[number] = Version(model=model, number=number, world=world)
     elif v.world != world:
-        raise HubFault("conflict", f"{model}@{number} was published with world {v.world}, not {world}")
+        raise HubFault("conflict", f"{model}@{number} was published with world {v.world}, not {world}: "
+                                   + _republish_hint(model, number))
     elif rank in v.shard_digests and v.shard_digests[rank] != digest:
-        raise HubFault("conflict", f"{model}@{number} shard {rank} exists with a different manifest")
+        raise HubFault("conflict", f"{model}@{number} shard {rank} exists with a different manifest (other "
+                                   f"bytes, shapes or chunking): " + _republish_hint(model, number))
     rep = v.replicas.get(name)
     if rep is not None and rep.rank != rank:
         raise HubFault("conflict", f"{name} already holds {model}@{number} as {'reader' if rep.rank < 0 else f'shard {rep.rank}'}")

@@ -8,6 +8,9 @@ fewer than ``min_reliable_copies`` of them are complete copies on reliable endpo
 A short version gets a host-tier copy: an agent is asked to pull and publish it, and
 an unpublish that caused the shortage is acknowledged only once the copy is complete,
 or once no agent is left that could make it.
+
+A version older than all ``keep_latest`` retained ones is *outranked*: it would be
+dropped the moment it turned READY, so the hub refuses to publish it (``stale``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ def retained(versions: dict[int, Version], policy: Policy, withdrawn=frozenset()
     """The retained version numbers, newest first; ``withdrawn``: numbers left out."""
     return sorted((n for n, v in versions.items() if v.ever_ready and n not in withdrawn),
                   reverse=True)[: policy.keep_latest]
+
+
+def outranked(number: int, versions: dict[int, Version], policy: Policy, withdrawn=frozenset()) -> list[int]:
+    """The retained versions that would leave ``number`` out of keep_latest once it is
+    READY (newest first), or [] when ``number`` would be kept. ``drop_old`` forgets such
+    a version as soon as nobody reads it: a publish of it must be refused instead."""
+    kept = retained(versions, policy, withdrawn)
+    if policy.keep_latest > 0 and len(kept) >= policy.keep_latest and number < kept[-1]:
+        return kept
+    return []
 
 
 def _live_copies(version: Version, reliable) -> tuple[bool, int]:

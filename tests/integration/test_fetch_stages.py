@@ -40,7 +40,7 @@ def test_stages_sum_to_the_wall_time_and_reach_the_histograms(hub):
 
 
 def test_metrics_port_serves_the_histograms():
-    port = metrics.serve(0)
-    assert metrics.serve(0) == port  # once per process
+    port = metrics.serve(0, "127.0.0.1")
+    assert metrics.serve(0, "127.0.0.1") == port  # once per process
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "th_fetch_stage_seconds" in body

@@ -88,3 +88,46 @@ def test_connect_by_cluster_passes_only_what_the_caller_gave(running, monkeypatc
     tensorhub_cli.connect(cluster=name, name="r", node="node2", call_timeout_s=2.0)
     assert got["call_timeout_s"] == 2.0 and "connect_timeout" not in got and "on_command" not in got
     assert got["read_timeout_s"] == 12.0  # the cluster's, as the caller gave none
+
+
+@pytest.fixture
+def metrics_off(monkeypatch):
+    """No /metrics listener of this process before or after the test."""
+    from tensorhub_cli.endpoint import metrics
+
+    monkeypatch.delenv("TH_METRICS_PORT", raising=False)
+    monkeypatch.setattr(metrics, "_served", [])
+    monkeypatch.setattr("tensorhub_cli.endpoint.connect", lambda *a, **kw: "ep")
+    yield metrics
+    metrics.shutdown()
+
+
+def reachable(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_endpoint_metrics_bind_the_endpoints_address_not_every_interface(metrics_off):
+    tensorhub_cli.connect(hub="tcp://127.0.0.1:7", token="tok" * 11, name="r", host="127.0.0.2", metrics_port=0)
+    port = metrics_off.serve(0, "127.0.0.2")  # (the one listener's port)
+    assert reachable("127.0.0.2", port)
+    assert not reachable("127.0.0.3", port), "/metrics answers on an address the endpoint was not given (0.0.0.0)"
+
+
+def test_endpoint_metrics_of_a_cluster_endpoint_bind_its_nodes_address(running, metrics_off, monkeypatch):
+    name, doc = running
+    node2 = doc["topology"]["datacenters"][0]["racks"][0]["nodes"][1]["address"]
+    monkeypatch.setenv("TH_METRICS_PORT", "0")
+    tensorhub_cli.connect(cluster=name, name="r", node="node2")
+    port = metrics_off.serve(0, node2)
+    assert reachable(node2, port) and not reachable("127.0.0.1" if node2 != "127.0.0.1" else "127.0.0.2", port)
+
+
+def test_endpoint_metrics_are_opt_in(metrics_off):
+    tensorhub_cli.connect(hub="tcp://127.0.0.1:7", token="tok" * 11, name="r", host="127.0.0.2")
+    assert metrics_off._served == []

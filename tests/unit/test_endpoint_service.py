@@ -7,6 +7,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from tensorhub_cli.endpoint.service import Service
 from tensorhub_cli.hub import protocol as p
 
@@ -111,4 +113,53 @@ def test_a_retention_pull_never_waits_behind_a_long_sync_fetch():
         assert seen == ["fetch", "retain", "release"], seen  # the second fetch still waits its turn
     finally:
         done.set()
+        service.stop(join_timeout=2, deregister_timeout=0.5)
+
+
+class RefusingClient(PushingClient):
+    """The hub refuses every request, ``code`` its reason; counts the calls."""
+
+    address = "tcp://hub:1"
+
+    def __init__(self, code: str):
+        super().__init__()
+        self.code, self.calls = code, []
+
+    def call(self, op, timeout: float = 5.0):
+        from tensorhub_cli.errors import HubError
+
+        self.calls.append(type(op).__name__)
+        raise HubError(p.Error(code=self.code, message="bad cluster token"))
+
+
+def test_a_bad_token_is_final_at_once_in_one_log_line(caplog):
+    from tensorhub_cli.errors import HubError
+
+    client = RefusingClient("auth")
+    service = Service(fake_endpoint(), client, heartbeat_s=0.05, handler=lambda ep, cmd: None)
+    started = time.monotonic()
+    service.start()
+    try:
+        service._thread.join(2)
+        assert not service._thread.is_alive(), f"the service thread goes on after a final refusal: {client.calls}"
+        assert client.calls == ["Register"]
+        with pytest.raises(HubError) as exc:
+            service.wait_registered(10.0)
+        assert time.monotonic() - started < 2.0
+        assert exc.value.code == "auth" and "bad cluster token" in str(exc.value) and "tcp://hub:1" in str(exc.value)
+        assert "\n" not in str(exc.value)
+        assert len([r for r in caplog.records if r.name == "tensorhub.endpoint"]) == 1
+    finally:
+        service.stop(join_timeout=2, deregister_timeout=0.5)
+    assert client.calls == ["Register"]  # no Deregister the hub would refuse the same way
+
+
+def test_a_refusal_a_retry_can_change_is_retried():
+    client = RefusingClient("internal")
+    service = Service(fake_endpoint(), client, heartbeat_s=0.05, handler=lambda ep, cmd: None)
+    service.start()
+    try:
+        assert service.wait_registered(0.3) is False
+        assert len(client.calls) > 1
+    finally:
         service.stop(join_timeout=2, deregister_timeout=0.5)
