@@ -46,7 +46,7 @@ import msgspec
 import torch
 
 from ..engines import dist as coll
-from ..errors import EndpointError, FetchError, LayoutError, TensorHubError
+from ..errors import EndpointError, FetchError, TensorHubError
 from ..hub import protocol as p
 from ..hub.client import HubClient
 from . import checks, fetching, streams, waiting

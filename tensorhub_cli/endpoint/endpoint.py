@@ -2,35 +2,20 @@
 
 Protocol (per method, what the caller may do once it returns):
 
-- ``publish(model, version, state_dict, shard=(rank, world), timeout=10, ready=None)``:
-  values are tensors (whole), ``layout.Part``s (a box of a global tensor) or DTensors
-  (each rank registers its local shard in place, a replicated piece once; ``shard``
-  defaults to the rank's place in their mesh: ``layouts``). First the work pending on the tensors is done (their device's current CUDA stream
-  synchronized, or the caller's ``ready`` events waited for: ``streams``); then the
-  tensors are registered where they lie and the hub has the manifest. From here on the
-  caller must not change those tensors until ``unpublish`` of that version has returned
-  (contract 3). Small tensors were copied into a staging buffer; the big ones not. When
-  the hub does not answer within ``timeout`` the publish may still reach it, so the
-  endpoint withdraws it (an unpublish with drain, again within ``timeout``) and raises
-  ``EndpointError``: saying "withdrawn", the tensors are the caller's again; else they
-  stay registered as published until the caller's ``unpublish`` returns.
+- ``publish(model, version, state_dict, shard=(rank, world), timeout=10, ready=None)``
+  (``publishing``): once it returns the tensors are registered where they lie and the
+  hub has the manifest; the caller must not change them until ``unpublish`` of that
+  version has returned (contract 3). ``EndpointError`` saying "withdrawn": the hub
+  never kept it, the tensors are the caller's again.
 - ``fetch(model, version|"latest", into=state_dict, group=..., timeout=..., wait=True)``
-  → the version number. A version not READY yet (not published, still STAGING, or no
-  READY version at all for ``latest``) is waited for within ``timeout`` (then
-  ``VersionTimeout``); ``wait=False`` raises ``VersionNotFound`` at once (``waiting``).
-  ``into`` maps names to tensors (whole), DTensors (their local box is filled) or
-  ``layout.Target``s (engine layouts: TP slices, fused parameters); a destination in
-  another layout than the publisher's reads only the chunks, or tiles of chunks, its
-  boxes overlap (``layout.overlap``, contract 9). On return every byte it needs is
-  verified and in ``into`` (visible on the caller's current
-  CUDA stream: ``streams``), and this endpoint is a holder of that version (of the
-  chunks it read whole: a reader of another layout serves those only):
-  ``into`` is now published memory, under the same rule. Fetching a newer version
-  into the same tensors first unpublishes (drains) the one they hold. A fetch of a
-  version another thread of this endpoint is still fetching waits for that one (within
-  ``timeout``) and then goes on from its outcome. On ``FetchError`` (or
-  ``LayoutError`` before any byte moved) the endpoint holds no replica in ``into``;
-  its contents are undefined after a started fetch, and it never counts as a replica.
+  → the version number (``fetching``; ``collective=pg``: ``collective``). A version not
+  READY yet is waited for within ``timeout`` (``waiting``). ``into`` maps names to
+  tensors, DTensors or ``layout.Target``s (engine layouts: contract 9). On return
+  every byte it needs is verified and in ``into`` (visible on the caller's current
+  CUDA stream), and ``into`` is published memory under the same rule as ``publish``.
+  ``group`` defaults to the endpoint's own (contract 2, whoever calls). On
+  ``FetchError`` (or ``LayoutError`` before any byte moved) the endpoint holds no
+  replica in ``into``; its contents are undefined, and it is the caller's again.
 - ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
   of that memory is in flight, and any retention copy it called for exists. The caller
   owns the memory again.
@@ -95,12 +80,10 @@ from ..engines.tcp import TcpEngine
 from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
-from ..layout import CHUNK_BYTES, SMALL_BYTES, lay_out, verify
-from ..layout.tensors import device_of
-from . import checks, fetching, layouts, streams
+from ..layout import CHUNK_BYTES, SMALL_BYTES, verify
+from . import checks, fetching, publishing, streams
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
-from .fetch import FetchError
 from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
@@ -313,76 +296,10 @@ class Endpoint:
         """``ready``: None (the current CUDA stream of the tensors' device is
         synchronized first), or a ``torch.cuda.Event`` (or a list) recorded after the
         last work that writes the tensors, which the host waits for instead (work on
-        other streams; an empty list: nothing to wait for). Either way their bytes are
-        final before they are hashed and registered; our own copies into the staging
-        buffer (small tensors) are waited for on the current stream before any reader
-        is let in. Host tensors: no wait. Memory published before is not registered
-        again (``registrations``)."""
+        other streams; an empty list: nothing to wait for). See ``publishing``."""
         self._check_open()
-        model, version = checks.model(model), checks.version(version)
-        state_dict, shard = layouts.published(checks.state_dict(state_dict), shard)
-        rank, world = checks.shard(shard)
-        chunk_bytes = self.chunk_bytes if chunk_bytes is None else checks.count(chunk_bytes, "chunk_bytes")
-        timeout = checks.seconds(timeout, "timeout")
-        ready = streams.events(ready)
-        streams.settle({device_of(t) for t in layouts.registered(state_dict) if hasattr(t, "is_cuda")}, ready)
-        manifest, placed = lay_out(state_dict, chunk_bytes, self.small_bytes)
-        self._check_tier(placed, "state_dict")
-        busy = [h for h in self._held() if h.overlaps(placed.regions)]
-        if busy:
-            raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
-                                "unpublish that version before publishing its memory again")
-        try:  # a given-up read of a failed fetch into this memory may still write it
-            self.zombies.wait_for(None, placed.regions, time.monotonic() + timeout, self._call)
-        except FetchError as exc:
-            raise EndpointError(f"publish of {model}@{version}: {exc}") from None
-        held = self._register(model, version, world, [manifest], rank, placed, layouts.registered(state_dict),
-                              fill=True)
-        try:
-            if held.reg.staged:  # lay_out's copies into staging (or a reused buffer's) may still be queued
-                streams.settle([placed.device], None)
-        except BaseException:
-            self.registrations.release(held.reg)
-            raise
-        self._add(held)
-        try:
-            self._call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
-                                 rank=rank, world=world, incarnation=self.incarnation), timeout=timeout)
-        except (HubError, EndpointError):  # refused, or never sent: the hub holds nothing of it
-            self._drop(held)
-            raise
-        except HubUnreachable as exc:
-            self._withdraw(held, timeout, exc)
-        except BaseException:  # (an interrupt): the publish may be on its way, so the memory stays ours to serve
-            log.warning("%s: publish of %s@%s interrupted; its tensors stay registered until unpublish (or close)",
-                        self.name, model, version)
-            raise
-        return manifest
-
-    # Answers to an unpublish after which the hub holds no reference to the replica.
-    _GONE = frozenset({"not_found", "unknown_endpoint", "expired", "fenced"})
-
-    def _withdraw(self, held: Held, timeout: float, cause: BaseException) -> None:
-        """A publish whose reply did not come may still reach the hub (it is queued on
-        this thread's socket), which would then route readers to our memory. Unpublish it
-        there, on the same socket (so after the publish), within ``timeout``; the memory
-        is let go only once the hub answered, else it stays registered and published.
-        Always raises ``EndpointError``."""
-        what = f"{self.name}: publish of {held.model}@{held.version} not acknowledged within {timeout:g}s ({cause})"
-        try:
-            self._call(p.Unpublish(name=self.name, model=held.model, version=held.version,
-                                   incarnation=self.incarnation), timeout=timeout)
-        except HubError as exc:
-            if exc.code not in self._GONE:
-                raise EndpointError(f"{what}; its withdrawal failed ({exc}): the tensors stay registered as "
-                                    f"published; call unpublish({held.model!r}, {held.version}) before changing "
-                                    "or freeing them") from cause
-        except BaseException as exc:
-            raise EndpointError(f"{what}, nor its withdrawal ({exc}): the tensors stay registered as published "
-                                f"(the hub may yet route readers to them); call unpublish({held.model!r}, "
-                                f"{held.version}) before changing or freeing them") from cause
-        self._drop(held)
-        raise EndpointError(f"{what}; withdrawn at the hub, the tensors are the caller's again") from cause
+        return publishing.publish(self, model, version, state_dict, shard, chunk_bytes=chunk_bytes,
+                                  timeout=timeout, ready=ready)
 
     def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
               timeout: float = 60.0, wait: bool = True, window: int = 4, read_timeout: Optional[float] = None,

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tensorhub_cli import BadArgument
-from tensorhub_cli.endpoint import endpoint as endpoint_module
-from tensorhub_cli.endpoint import fetching
+from tensorhub_cli.endpoint import fetching, publishing
 from tensorhub_cli.endpoint import streams
 from tensorhub_cli.endpoint.fetch import Fetch
 from tensorhub_cli.endpoint.inflight import Reading
@@ -66,7 +65,7 @@ def log(monkeypatch):
     """One log for the stream calls, the engine, the hub, hashing and scatters."""
     log: list = []
     monkeypatch.setattr(streams, "_streams", Recorder(log))
-    real_lay_out, real_finish = endpoint_module.lay_out, Placed.finish
+    real_lay_out, real_finish = publishing.lay_out, Placed.finish
 
     def lay_out_logged(*a, **kw):
         log.append(("lay_out",))
@@ -77,7 +76,7 @@ def log(monkeypatch):
             log.append(("scatter", chunk))
         return real_finish(self, chunk)
 
-    monkeypatch.setattr(endpoint_module, "lay_out", lay_out_logged)
+    monkeypatch.setattr(publishing, "lay_out", lay_out_logged)
     monkeypatch.setattr(Placed, "finish", finish_logged)
     monkeypatch.setattr(fetching, "Fetch", CopyFetch)
     CopyFetch.source = {}
