@@ -265,7 +265,11 @@ def _run(me: Member, job: Fetch) -> None:
 
 
 def _gather(me: Member, gather_bytes: int) -> list[int]:
-    """Every batch over the group; returns the chunks that arrived corrupt."""
+    """Every batch over the group; returns the chunks that arrived corrupt. Every
+    member makes the same collective calls whatever happens to it: a failure of its
+    own work between them (packing, copying, hashing) is kept and raised once the last
+    batch is through, so no member reaches the stage's ``agree`` while the others are
+    still in a batch (mismatched collectives are undefined with NCCL)."""
     comm, held = me.comm, me.held
     views = held.placed.views
     sizes = [v.nbytes for v in views]
@@ -273,30 +277,48 @@ def _gather(me: Member, gather_bytes: int) -> list[int]:
     limit = max(max(sizes), gather_bytes // comm.size)
     checking: dict[int, object] = {}
     bad: list[int] = []
+    failed: Optional[Exception] = None
     for batch in batches(sizes, owner, comm.size, limit):
         senders = [m for m, part in enumerate(batch.parts) if part]
         buf = torch.empty(batch.size, dtype=torch.uint8, device=comm.device)
-        _pack(buf, [views[c] for c in batch.parts[comm.rank]])
+        if failed is None:
+            try:
+                _pack(buf, [views[c] for c in batch.parts[comm.rank]])
+            except Exception as exc:  # (what we send no longer matters: we fail at the stage's end)
+                failed = exc
         if len(senders) == 1:
             comm.broadcast("gather", buf, senders[0])
             got = {senders[0]: buf}
         else:
             got = dict(enumerate(comm.all_gather("gather", buf)))
-        received = []
-        for m, part in enumerate(batch.parts):
-            at = 0
-            for c in part:
-                if m != comm.rank and c not in me.have:
-                    views[c].copy_(got[m][at:at + sizes[c]])
-                    received.append(c)
-                at += sizes[c]
-        if comm.device.type == "cuda":  # the verifier threads hash on their own streams: copies first
-            torch.cuda.current_stream(comm.device).synchronize()
-        for c in received:
-            checking[c] = me.ep.verifiers.submit(held.placed.checksum, c)
-        _settle_checks(me, checking, bad, block=False)
+        if failed is None:
+            try:
+                _take(me, batch, got, sizes, checking, bad)
+            except Exception as exc:
+                failed = exc
+    if failed is not None:
+        raise failed
     _settle_checks(me, checking, bad, block=True)
     return bad
+
+
+def _take(me: Member, batch: Batch, got: dict, sizes: list[int], checking: dict, bad: list[int]) -> None:
+    """Copy what the others sent into our destination, then hash it (on the verifier
+    threads, once the copies are done on the destination's device: a callable ``into``
+    may have made CUDA tensors under a gloo group, whose buffers are on the host)."""
+    views, received = me.held.placed.views, []
+    for m, part in enumerate(batch.parts):
+        at = 0
+        for c in part:
+            if m != me.comm.rank and c not in me.have:
+                views[c].copy_(got[m][at:at + sizes[c]])
+                received.append(c)
+            at += sizes[c]
+    device = me.comm.device
+    streams.settle({me.held.placed.device, (device.index or 0) if device.type == "cuda" else -1}, None)
+    for c in received:
+        checking[c] = me.ep.verifiers.submit(me.held.placed.checksum, c)
+    _settle_checks(me, checking, bad, block=False)
 
 
 def _pack(buf: torch.Tensor, views: list) -> None:
