@@ -77,9 +77,131 @@ class _Group:
             _scatter_group(self)
 
 
+@dataclass(slots=True)
+class _Reads:
+    """How the needed chunks are read, decided chunk by chunk (``_plan_chunk``)."""
+
+    staged: list[tuple[int, int]] = field(default_factory=list)  # (chunk, nbytes): read whole into staging
+    tiled: dict[int, tuple] = field(default_factory=dict)  # chunk -> its ``_tiles_needed`` plan
+    groups: list[_Group] = field(default_factory=list)  # copies made once their chunks are verified
+
+
 def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
+    pieces, slots, device = _checked(shards, targets)
+    owner = {id(s): t for t in targets for s in t.slots}
+    placed = Placed(views=[], regions=[], device=device, wanted=set())
+    reads = _Reads()
+    first = 0
+    for rank, m in enumerate(shards):
+        _plan_shard(placed, reads, m, pieces[rank], slots, owner, first)
+        first += len(m.chunks)
+    # Readers of one layout id read the same tiles of the same chunks, staged alike: one
+    # serves another its staged tiles as they lie (``Read.partial``).
+    placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
+                              + [(f"tiled:{g}", Box((), ())) for g in reads.tiled])
+    _stage(placed, reads, [meta for m in shards for meta in m.chunks], device)
+    _arm(placed, reads.groups)
+    for t in targets:
+        if t.tensor.nbytes:
+            placed.regions.append(Region(t.tensor.data_ptr(), t.tensor.nbytes, device))
+            placed.keep.append(t.tensor)
+    return placed
+
+
+# --- which chunks, read how ----------------------------------------------------------
+
+
+def _plan_shard(placed: Placed, reads: _Reads, m: p.Manifest, mine: list[_Piece], slots: dict[str, list[Slot]],
+                owner: dict, first: int) -> None:
+    """Decide every chunk of one publisher's shard (global chunk ids from ``first``)."""
+    spans = _chunk_spans(m, mine)
+    open_groups: dict[int, _Group] = {}  # a piece's bytes staged so far, up to an element boundary
+    start = 0  # the chunk's first byte in the shard
+    for c, meta in enumerate(m.chunks):
+        g = first + c
+        placed.views.append(None)
+        placed.digests.append(meta.digest)
+        needed = [(pc, lo, hi, [s for s in slots.get(pc.meta.name, ()) if _touches(pc, lo, hi, s)])
+                  for pc, lo, hi in spans[c]]
+        touched = {id(pc) for pc, _, _, ss in needed if ss}
+        for key in [k for k in open_groups if k not in touched]:
+            reads.groups.append(open_groups.pop(key))  # its tail element touches no slot: done
+        if touched:
+            placed.wanted.add(g)
+            _plan_chunk(placed, reads, g, meta, start, needed, slots, owner, open_groups)
+        start += meta.nbytes
+    reads.groups += open_groups.values()
+
+
+def _plan_chunk(placed: Placed, reads: _Reads, g: int, meta: p.ChunkMeta, start: int, needed: list,
+                slots: dict[str, list[Slot]], owner: dict, open_groups: dict[int, _Group]) -> None:
+    """Chunk ``g`` (``needed``: per piece in it, its bytes and the slots they touch) is
+    read direct, as tiles, or whole into staging, in that order of preference."""
+    if len(needed) == 1:
+        pc, lo, hi, ss = needed[0]
+        direct = _direct(pc, lo, hi, ss, owner)
+        if direct is not None:
+            placed.views[g] = direct
+            return
+        if meta.tiles and (plan := _tiles_needed(pc, lo, meta, ss)):
+            reads.tiled[g] = plan
+            return
+    reads.staged.append((g, meta.nbytes))
+    _group_staged(reads, g, start, needed, slots, open_groups)
+
+
+def _group_staged(reads: _Reads, g: int, start: int, needed: list, slots: dict[str, list[Slot]],
+                  open_groups: dict[int, _Group]) -> None:
+    """Staged chunk ``g``'s share of each piece joins that piece's open group; a group
+    closes at an element boundary (an element may straddle two chunks)."""
+    for pc, lo, hi, ss in needed:
+        if not ss:
+            continue
+        grp = open_groups.get(id(pc))
+        if grp is None:  # a partial head element touches no slot (else the last chunk had it)
+            e0 = -(-lo // pc.elem)
+            grp = open_groups[id(pc)] = _Group(pc, [], e0, 0, slots[pc.meta.name], e0 * pc.elem - lo)
+        grp.spans.append((g, pc.meta.offset + lo - start, hi - lo))
+        grp.e1 = hi // pc.elem
+        if hi % pc.elem == 0:
+            reads.groups.append(open_groups.pop(id(pc)))
+
+
+def _stage(placed: Placed, reads: _Reads, chunk_meta: list[p.ChunkMeta], device: int) -> None:
+    """One staging buffer for the staged and tiled chunks; their views point into it."""
     import torch
 
+    sizes = [n for _, n in reads.staged] + [sum(_tile_bytes(plan)) for plan in reads.tiled.values()]
+    staging = _staging(torch, sizes, device)
+    if staging is None:
+        return
+    placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
+    placed.keep.append(staging)
+    at = 0
+    for g, n in reads.staged:
+        placed.views[g] = staging[at:at + n]
+        at = _aligned(at + n)
+    for g, plan in reads.tiled.items():
+        at = _fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
+
+
+def _arm(placed: Placed, groups: list[_Group]) -> None:
+    """Each group waits on its chunks (``Placed.waiting``), reading their final views."""
+    for grp in groups:
+        if grp.e1 <= grp.e0:
+            continue
+        grp.left = {c for c, *_ in grp.spans}
+        for chunk in grp.left:
+            placed.waiting.setdefault(chunk, []).append(grp)
+        grp.spans = [(c, lo, n, placed.views[c]) for c, lo, n in grp.spans]
+
+
+# --- checks ---------------------------------------------------------------------------
+
+
+def _checked(shards: list[p.Manifest], targets: list[Target]):
+    """(pieces per shard, slots by tensor name, device), or ``LayoutError`` naming every
+    problem before anything is registered."""
     pieces, problems = _pieces(shards)
     slots: dict[str, list[Slot]] = {}
     for target in targets:
@@ -90,78 +212,7 @@ def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
     problems += regs
     if problems:
         raise LayoutError("the destination does not match the version's layout; nothing was written", problems)
-    owner = {id(s): t for t in targets for s in t.slots}
-    placed = Placed(views=[], regions=[], device=device, wanted=set())
-    staged: list[tuple[int, int]] = []  # (chunk, nbytes): whole chunks read into staging
-    tiled: dict[int, list] = {}  # chunk -> [(row block rows, strip range, row box list)]
-    groups: list[_Group] = []
-    chunk_id = 0
-    for rank, m in enumerate(shards):
-        spans = _chunk_spans(m, pieces[rank])
-        open_groups: dict[int, _Group] = {}  # a piece's bytes staged so far, up to an element boundary
-        start = 0
-        for c, meta in enumerate(m.chunks):
-            g = chunk_id + c
-            placed.views.append(None)
-            placed.digests.append(meta.digest)
-            needed = [(pc, lo, hi, [s for s in slots.get(pc.meta.name, ()) if _touches(pc, lo, hi, s)])
-                      for pc, lo, hi in spans[c]]
-            touched = {id(pc) for pc, _, _, ss in needed if ss}
-            for key in [k for k in open_groups if k not in touched]:
-                groups.append(open_groups.pop(key))  # its tail element touches no slot: done
-            if touched:
-                placed.wanted.add(g)
-                if len(needed) == 1 and (view := _direct(*needed[0], owner)) is not None:
-                    placed.views[g] = view
-                elif len(needed) == 1 and meta.tiles and (plan := _tiles_needed(*needed[0][:2], meta, needed[0][3])):
-                    tiled[g] = plan
-                else:
-                    staged.append((g, meta.nbytes))
-                    for pc, lo, hi, ss in needed:
-                        if not ss:
-                            continue
-                        grp = open_groups.get(id(pc))
-                        if grp is None:  # a partial head element touches no slot (else the last chunk had it)
-                            grp = open_groups[id(pc)] = _Group(pc, [], -(-lo // pc.elem), 0, slots[pc.meta.name],
-                                                             -(-lo // pc.elem) * pc.elem - lo)
-                        grp.spans.append((g, pc.meta.offset + lo - start, hi - lo))
-                        grp.e1 = hi // pc.elem
-                        if hi % pc.elem == 0:
-                            groups.append(open_groups.pop(id(pc)))
-            start += meta.nbytes
-        groups += open_groups.values()
-        chunk_id += len(m.chunks)
-    # Readers of one layout id read the same tiles of the same chunks, staged alike: one
-    # serves another its staged tiles as they lie (``Read.partial``).
-    placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
-                              + [(f"tiled:{g}", Box((), ())) for g in tiled])
-    sizes = [n for _, n in staged] + [sum(_tile_bytes(plan)) for plan in tiled.values()]
-    staging = _staging(torch, sizes, device)
-    if staging is not None:
-        placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
-        placed.keep.append(staging)
-    at = 0
-    for g, n in staged:
-        placed.views[g] = staging[at:at + n]
-        at = _aligned(at + n)
-    chunk_meta = [meta for m in shards for meta in m.chunks]
-    for g, plan in tiled.items():
-        at = _fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
-    for grp in groups:
-        if grp.e1 <= grp.e0:
-            continue
-        grp.left = {c for c, *_ in grp.spans}
-        for chunk in grp.left:
-            placed.waiting.setdefault(chunk, []).append(grp)
-        grp.spans = [(c, lo, n, placed.views[c]) for c, lo, n in grp.spans]
-    for t in targets:
-        if t.tensor.nbytes:
-            placed.regions.append(Region(t.tensor.data_ptr(), t.tensor.nbytes, device))
-            placed.keep.append(t.tensor)
-    return placed
-
-
-# --- checks ---------------------------------------------------------------------------
+    return pieces, slots, device
 
 
 def _pieces(shards: list[p.Manifest]) -> tuple[list[list[_Piece]], list[str]]:
