@@ -17,6 +17,13 @@ Each needed chunk is read one of three ways:
   chunk is not held (``Plan.partial``): a reader never reads a whole chunk to cut a
   slice out of it.
 
+Overlapping slots (``whole("W", a)`` beside ``tp("W", b, ...)``, or one tensor in two
+targets) each get every byte of theirs: a chunk is still read once, into the first
+slot that holds it in one run (or staging), and ``Placed.finish`` copies its verified
+bytes into every other slot it overlaps. Refusing such destinations would cost users a
+layout that is easy to want (a full copy beside a TP slice); reading a chunk twice
+would cost bytes on the wire; a device copy of verified bytes costs neither.
+
 Every accepted byte is checked against a digest from the publisher (contract 5):
 the chunk's, or its tiles'. ``LayoutError`` (nothing registered, nothing written)
 names each tensor at fault: a slot naming a tensor the version lacks, a global shape,
@@ -141,7 +148,10 @@ def _plan_chunk(placed: Placed, reads: _Reads, g: int, meta: p.ChunkMeta, start:
         pc, lo, hi, ss = needed[0]
         direct = _direct(pc, lo, hi, ss, owner)
         if direct is not None:
-            placed.views[g] = direct
+            placed.views[g], into = direct
+            others = [s for s in ss if s is not into]
+            if others:  # overlapping slots: read once, copied into the others once verified
+                reads.groups.append(_Group(pc, [(g, 0, hi - lo)], lo // pc.elem, hi // pc.elem, others))
             return
         if meta.tiles and (plan := _tiles_needed(pc, lo, meta, ss)):
             reads.tiled[g] = plan
@@ -289,7 +299,7 @@ def _touches(pc: _Piece, lo: int, hi: int, s: Slot) -> bool:
 
 
 def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
-    """The chunk's one contiguous run in a destination, or None."""
+    """(the chunk's one contiguous run in a destination, the slot it lies in), or None."""
     if lo % pc.elem or hi % pc.elem:
         return None
     boxes = _global_boxes(pc, lo // pc.elem, hi // pc.elem)
@@ -306,7 +316,7 @@ def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
         else:
             target = owner[id(s)].tensor
             start = ptr - target.data_ptr()
-            return flat_bytes(target)[start:start + hi - lo]
+            return flat_bytes(target)[start:start + hi - lo], s
     return None
 
 
