@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from tensorhub_cli.endpoint.layouts import targets
     from tensorhub_cli.layout import dtensor
-    from tensorhub_cli.layout.targets import targets
 
     result = {}
     # A peer that died must fail the collectives here, not hang them until the join gives up.
