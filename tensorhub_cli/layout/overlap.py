@@ -13,9 +13,9 @@ Each needed chunk is read one of three ways:
   staging, verified whole, scattered by ``Placed.finish``; also held.
 - **tiles**: the reader needs part of a chunk of whole rows: only the tiles its boxes
   touch are read (a row of strips is one descriptor per row; full-width row blocks one
-  per block), each verified against the manifest's tile digest, then scattered. The
-  chunk is not held (``Plan.partial``): a reader never reads a whole chunk to cut a
-  slice out of it.
+  per block), each verified against the manifest's tile digest, then scattered
+  (``tiles``). The chunk is not held (``Plan.partial``): a reader never reads a whole
+  chunk to cut a slice out of it.
 
 Overlapping slots (``whole("W", a)`` beside ``tp("W", b, ...)``, or one tensor in two
 targets) each get every byte of theirs: a chunk is still read once, into the first
@@ -37,13 +37,10 @@ from dataclasses import dataclass, field
 from ..engines.base import Region
 from ..hub import protocol as p
 from .boxes import Box, intersect, layout_id, range_boxes
-from .chunking import rows_of
 from .placed import Placed
 from .targets import Slot, Target
 from .tensors import LayoutError, check_tensors, dtype_name, flat_bytes
-
-ALIGN = 64  # staging pieces start here, so any dtype can view them
-
+from .tiles import aligned, fill_tiled, slices, slot_copies, tile_bytes, tiles_needed
 
 @dataclass(slots=True)
 class _Piece:
@@ -51,18 +48,6 @@ class _Piece:
     origin: tuple[int, ...]
     shape: tuple[int, ...]
     elem: int
-
-
-@dataclass(slots=True)
-class Tiled:
-    """A chunk read in part: ``pairs`` (offset in the holder's chunk, local flat view),
-    ``checks`` (bytes, the tile digest they must have), ``copies`` (source, destination)
-    once verified, and the bytes read."""
-
-    pairs: list[tuple[int, object]] = field(default_factory=list)
-    checks: list[tuple[object, int]] = field(default_factory=list)
-    copies: list[tuple[object, object]] = field(default_factory=list)
-    nbytes: int = 0
 
 
 @dataclass(slots=True)
@@ -89,7 +74,7 @@ class _Reads:
     """How the needed chunks are read, decided chunk by chunk (``_plan_chunk``)."""
 
     staged: list[tuple[int, int]] = field(default_factory=list)  # (chunk, nbytes): read whole into staging
-    tiled: dict[int, tuple] = field(default_factory=dict)  # chunk -> its ``_tiles_needed`` plan
+    tiled: dict[int, tuple] = field(default_factory=dict)  # chunk -> its ``tiles_needed`` plan
     groups: list[_Group] = field(default_factory=list)  # copies made once their chunks are verified
 
 
@@ -153,7 +138,7 @@ def _plan_chunk(placed: Placed, reads: _Reads, g: int, meta: p.ChunkMeta, start:
             if others:  # overlapping slots: read once, copied into the others once verified
                 reads.groups.append(_Group(pc, [(g, 0, hi - lo)], lo // pc.elem, hi // pc.elem, others))
             return
-        if meta.tiles and (plan := _tiles_needed(pc, lo, meta, ss)):
+        if meta.tiles and (plan := tiles_needed(pc, lo, meta, ss)):
             reads.tiled[g] = plan
             return
     reads.staged.append((g, meta.nbytes))
@@ -181,7 +166,7 @@ def _stage(placed: Placed, reads: _Reads, chunk_meta: list[p.ChunkMeta], device:
     """One staging buffer for the staged and tiled chunks; their views point into it."""
     import torch
 
-    sizes = [n for _, n in reads.staged] + [sum(_tile_bytes(plan)) for plan in reads.tiled.values()]
+    sizes = [n for _, n in reads.staged] + [sum(tile_bytes(plan)) for plan in reads.tiled.values()]
     staging = _staging(torch, sizes, device)
     if staging is None:
         return
@@ -190,9 +175,9 @@ def _stage(placed: Placed, reads: _Reads, chunk_meta: list[p.ChunkMeta], device:
     at = 0
     for g, n in reads.staged:
         placed.views[g] = staging[at:at + n]
-        at = _aligned(at + n)
+        at = aligned(at + n)
     for g, plan in reads.tiled.items():
-        at = _fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
+        at = fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
 
 
 def _arm(placed: Placed, groups: list[_Group]) -> None:
@@ -306,7 +291,7 @@ def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
     for s in ss:
         if not all(intersect(b, s.box) == b for b in boxes):
             continue
-        views = [s.view[_slices(b, s.box.offsets)] for b in boxes]
+        views = [s.view[slices(b, s.box.offsets)] for b in boxes]
         ptr = views[0].data_ptr()
         at = ptr
         for v in views:
@@ -318,88 +303,6 @@ def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
             start = ptr - target.data_ptr()
             return flat_bytes(target)[start:start + hi - lo], s
     return None
-
-
-def _slices(box: Box, origin) -> tuple[slice, ...]:
-    return tuple(slice(o - z, o - z + n) for o, z, n in zip(box.offsets, origin, box.sizes))
-
-
-# --- tiles ----------------------------------------------------------------------------
-
-
-def _row_boxes(pc: _Piece, r0: int, r1: int, c0: int, c1: int) -> list[tuple[int, Box]]:
-    """Rows [r0, r1) x columns [c0, c1) of a piece as local boxes, each with its first row."""
-    if len(pc.shape) == 1:
-        return [(r0, Box((r0,), (r1 - r0,)))]
-    out, at = [], r0
-    for b in range_boxes(r0, r1, pc.shape[:-1]):
-        out.append((at, Box(b.offsets + (c0,), b.sizes + (c1 - c0,))))
-        at += b.volume
-    return out
-
-
-def _tiles_needed(pc: _Piece, lo: int, meta: p.ChunkMeta, ss: list[Slot]):
-    """Per row block with any tile needed: (first row, rows, first strip, last strip).
-    None when every tile is needed (the chunk is read whole)."""
-    _, per_row = rows_of(pc.shape)
-    row_bytes = per_row * pc.elem
-    r0, rows = lo // row_bytes, meta.nbytes // row_bytes
-    width = per_row // meta.strips
-    plan, every = [], True
-    for b0 in range(r0, r0 + rows, meta.tile_rows):
-        b1 = min(b0 + meta.tile_rows, r0 + rows)
-        need = [k for k in range(meta.strips)
-                if any(intersect(box.shift(pc.origin), s.box)
-                       for _, box in _row_boxes(pc, b0, b1, k * width, (k + 1) * width) for s in ss)]
-        every &= len(need) == meta.strips
-        if need:
-            plan.append((b0, b1, need[0], need[-1]))
-    return None if every else (pc, r0, row_bytes, width, ss, plan)
-
-
-def _tile_bytes(plan) -> list[int]:
-    pc, _, row_bytes, width, _, blocks = plan
-    strip = width * pc.elem
-    return [_aligned((b1 - b0) * (k1 - k0 + 1) * strip) for b0, b1, k0, k1 in blocks]
-
-
-def _fill_tiled(placed: Placed, g: int, plan, meta: p.ChunkMeta, staging, at: int) -> int:
-    pc, r0, row_bytes, width, ss, blocks = plan
-    import torch
-
-    strip = width * pc.elem
-    dtype = getattr(torch, pc.meta.dtype)
-    tiled = Tiled()
-    first = at
-    for b0, b1, k0, k1 in blocks:
-        rows, cols = b1 - b0, (k1 - k0 + 1) * strip
-        buf = staging[at:at + rows * cols]
-        grid = buf.view(rows, cols)
-        if k0 == 0 and k1 == meta.strips - 1:  # whole rows: one descriptor for the block
-            tiled.pairs.append(((b0 - r0) * row_bytes, buf))
-        else:
-            tiled.pairs += [((r - r0) * row_bytes + k0 * strip, grid[r - b0]) for r in range(b0, b1)]
-        block = (b0 - r0) // meta.tile_rows
-        for k in range(k0, k1 + 1):
-            tiled.checks.append((grid[:, (k - k0) * strip:(k - k0 + 1) * strip], meta.tiles[block * meta.strips + k]))
-        typed = buf.view(dtype).view(rows, cols // pc.elem)
-        for first_row, box in _row_boxes(pc, b0, b1, k0 * width, (k1 + 1) * width):
-            n = box.volume // box.sizes[-1] if len(pc.shape) > 1 else box.volume
-            data = typed[first_row - b0:first_row - b0 + n].reshape(box.sizes)
-            _copies(tiled.copies, data, box.shift(pc.origin), ss)
-        tiled.nbytes += rows * cols
-        at = _aligned(at + rows * cols)
-    placed.views[g] = staging[first:at]
-    placed.parts[g] = tiled
-    return at
-
-
-def _copies(out: list, data, box: Box, ss: list[Slot]) -> None:
-    """(source, destination) views for every slot ``box``'s data overlaps."""
-    for s in ss:
-        common = intersect(box, s.box)
-        if common is not None:
-            out.append((data[_slices(common, box.offsets)], s.view[_slices(common, s.box.offsets)]))
 
 
 # --- staged groups --------------------------------------------------------------------
@@ -420,7 +323,7 @@ def _scatter_group(grp: _Group) -> None:
         data = typed[at:at + b.volume].reshape(b.sizes)
         at += b.volume
         copies: list = []
-        _copies(copies, data, b.shift(pc.origin), grp.slots)
+        slot_copies(copies, data, b.shift(pc.origin), grp.slots)
         for src, dst in copies:
             dst.copy_(src)
 
@@ -428,12 +331,8 @@ def _scatter_group(grp: _Group) -> None:
 # --- staging --------------------------------------------------------------------------
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def _staging(torch, sizes: list[int], device: int):
-    total = sum(_aligned(n) for n in sizes)
+    total = sum(aligned(n) for n in sizes)
     if not total:
         return None
     return torch.empty(total, dtype=torch.uint8, device="cpu" if device < 0 else f"cuda:{device}")

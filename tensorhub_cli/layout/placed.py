@@ -54,7 +54,7 @@ class Placed:
     keep: list = field(default_factory=list)  # tensors the regions point into
     digests: list[str] = field(default_factory=list)  # per chunk: its manifest's ChunkMeta.digest
     wanted: set[int] | None = None  # the chunks a reader needs; None: all
-    parts: dict = field(default_factory=dict)  # chunk -> overlap.Tiled: read in part
+    parts: dict = field(default_factory=dict)  # chunk -> tiles.Tiled: read in part
     waiting: dict[int, list] = field(default_factory=dict)  # chunk -> staged groups it completes
     layout: str = ""  # a reader of another layout: its id (boxes.layout_id of its slots)
 
