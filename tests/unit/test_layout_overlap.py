@@ -158,3 +158,16 @@ def test_a_chunk_inside_several_slots_fills_every_one_of_them(order, dim):
     assert torch.equal(sl, full["w"].chunk(2, dim)[1]), "the second slot of w stayed (partly) zero"
     # read once: the whole model, not the model plus the slice
     assert moved <= sum(m.nbytes for sh in shards for m in sh.chunks)
+
+
+def test_finish_says_when_a_verified_chunk_was_copied_on():
+    """Callers make their stream wait only when ``finish`` queued copies: a chunk read
+    straight into its one slot queues none; one with an overlapping slot does."""
+    full = {"w": torch.randn(256, 64)}
+    shards, placeds = publish(full, 0, 1)
+    for extra, want in (([], False), ([tp("w", torch.zeros(128, 64), (256, 64), 0, 0, 2)], True)):
+        a = torch.zeros(256, 64)
+        placed = place_boxes(shards, [Target(a, [Slot("w", Box((0, 0), (256, 64)), a, (256, 64))])] + extra)
+        g = min(placed.wanted)
+        placed.views[g].copy_(placeds[0].views[g])
+        assert placed.finish(g) is want
