@@ -17,7 +17,8 @@ One concept per module, split where it will grow: ``tensors`` (what memory a ten
 is, ``LayoutError``), ``checksum`` (the digests, by kind), ``devdigest`` (dev64),
 ``placed`` (the result records), ``chunking`` (manifest building, tiles),
 ``placement`` (same-layout destinations, verification), ``boxes``, ``targets``,
-``dtensor``, ``overlap``, ``vllm_llama``.
+``dtensor``, ``overlap`` (reading by box overlap), ``tiles`` (reading part of a
+chunk), ``vllm_llama``.
 """
 
 from .checksum import DIGESTS, checksum, digest, digest_for

@@ -13,9 +13,16 @@ Each needed chunk is read one of three ways:
   staging, verified whole, scattered by ``Placed.finish``; also held.
 - **tiles**: the reader needs part of a chunk of whole rows: only the tiles its boxes
   touch are read (a row of strips is one descriptor per row; full-width row blocks one
-  per block), each verified against the manifest's tile digest, then scattered. The
-  chunk is not held (``Plan.partial``): a reader never reads a whole chunk to cut a
-  slice out of it.
+  per block), each verified against the manifest's tile digest, then scattered
+  (``tiles``). The chunk is not held (``Plan.partial``): a reader never reads a whole
+  chunk to cut a slice out of it.
+
+Overlapping slots (``whole("W", a)`` beside ``tp("W", b, ...)``, or one tensor in two
+targets) each get every byte of theirs: a chunk is still read once, into the first
+slot that holds it in one run (or staging), and ``Placed.finish`` copies its verified
+bytes into every other slot it overlaps. Refusing such destinations would cost users a
+layout that is easy to want (a full copy beside a TP slice); reading a chunk twice
+would cost bytes on the wire; a device copy of verified bytes costs neither.
 
 Every accepted byte is checked against a digest from the publisher (contract 5):
 the chunk's, or its tiles'. ``LayoutError`` (nothing registered, nothing written)
@@ -30,13 +37,10 @@ from dataclasses import dataclass, field
 from ..engines.base import Region
 from ..hub import protocol as p
 from .boxes import Box, intersect, layout_id, range_boxes
-from .chunking import rows_of
 from .placed import Placed
 from .targets import Slot, Target
 from .tensors import LayoutError, check_tensors, dtype_name, flat_bytes
-
-ALIGN = 64  # staging pieces start here, so any dtype can view them
-
+from .tiles import aligned, fill_tiled, slices, slot_copies, tile_bytes, tiles_needed
 
 @dataclass(slots=True)
 class _Piece:
@@ -44,18 +48,6 @@ class _Piece:
     origin: tuple[int, ...]
     shape: tuple[int, ...]
     elem: int
-
-
-@dataclass(slots=True)
-class Tiled:
-    """A chunk read in part: ``pairs`` (offset in the holder's chunk, local flat view),
-    ``checks`` (bytes, the tile digest they must have), ``copies`` (source, destination)
-    once verified, and the bytes read."""
-
-    pairs: list[tuple[int, object]] = field(default_factory=list)
-    checks: list[tuple[object, int]] = field(default_factory=list)
-    copies: list[tuple[object, object]] = field(default_factory=list)
-    nbytes: int = 0
 
 
 @dataclass(slots=True)
@@ -77,9 +69,134 @@ class _Group:
             _scatter_group(self)
 
 
+@dataclass(slots=True)
+class _Reads:
+    """How the needed chunks are read, decided chunk by chunk (``_plan_chunk``)."""
+
+    staged: list[tuple[int, int]] = field(default_factory=list)  # (chunk, nbytes): read whole into staging
+    tiled: dict[int, tuple] = field(default_factory=dict)  # chunk -> its ``tiles_needed`` plan
+    groups: list[_Group] = field(default_factory=list)  # copies made once their chunks are verified
+
+
 def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
+    pieces, slots, device = _checked(shards, targets)
+    owner = {id(s): t for t in targets for s in t.slots}
+    placed = Placed(views=[], regions=[], device=device, wanted=set())
+    reads = _Reads()
+    first = 0
+    for rank, m in enumerate(shards):
+        _plan_shard(placed, reads, m, pieces[rank], slots, owner, first)
+        first += len(m.chunks)
+    # Readers of one layout id read the same tiles of the same chunks, staged alike: one
+    # serves another its staged tiles as they lie (``Read.partial``).
+    placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
+                              + [(f"tiled:{g}", Box((), ())) for g in reads.tiled])
+    _stage(placed, reads, [meta for m in shards for meta in m.chunks], device)
+    _arm(placed, reads.groups)
+    for t in targets:
+        if t.tensor.nbytes:
+            placed.regions.append(Region(t.tensor.data_ptr(), t.tensor.nbytes, device))
+            placed.keep.append(t.tensor)
+    return placed
+
+
+# --- which chunks, read how ----------------------------------------------------------
+
+
+def _plan_shard(placed: Placed, reads: _Reads, m: p.Manifest, mine: list[_Piece], slots: dict[str, list[Slot]],
+                owner: dict, first: int) -> None:
+    """Decide every chunk of one publisher's shard (global chunk ids from ``first``)."""
+    spans = _chunk_spans(m, mine)
+    open_groups: dict[int, _Group] = {}  # a piece's bytes staged so far, up to an element boundary
+    start = 0  # the chunk's first byte in the shard
+    for c, meta in enumerate(m.chunks):
+        g = first + c
+        placed.views.append(None)
+        placed.digests.append(meta.digest)
+        needed = [(pc, lo, hi, [s for s in slots.get(pc.meta.name, ()) if _touches(pc, lo, hi, s)])
+                  for pc, lo, hi in spans[c]]
+        touched = {id(pc) for pc, _, _, ss in needed if ss}
+        for key in [k for k in open_groups if k not in touched]:
+            reads.groups.append(open_groups.pop(key))  # its tail element touches no slot: done
+        if touched:
+            placed.wanted.add(g)
+            _plan_chunk(placed, reads, g, meta, start, needed, slots, owner, open_groups)
+        start += meta.nbytes
+    reads.groups += open_groups.values()
+
+
+def _plan_chunk(placed: Placed, reads: _Reads, g: int, meta: p.ChunkMeta, start: int, needed: list,
+                slots: dict[str, list[Slot]], owner: dict, open_groups: dict[int, _Group]) -> None:
+    """Chunk ``g`` (``needed``: per piece in it, its bytes and the slots they touch) is
+    read direct, as tiles, or whole into staging, in that order of preference."""
+    if len(needed) == 1:
+        pc, lo, hi, ss = needed[0]
+        direct = _direct(pc, lo, hi, ss, owner)
+        if direct is not None:
+            placed.views[g], into = direct
+            others = [s for s in ss if s is not into]
+            if others:  # overlapping slots: read once, copied into the others once verified
+                reads.groups.append(_Group(pc, [(g, 0, hi - lo)], lo // pc.elem, hi // pc.elem, others))
+            return
+        if meta.tiles and (plan := tiles_needed(pc, lo, meta, ss)):
+            reads.tiled[g] = plan
+            return
+    reads.staged.append((g, meta.nbytes))
+    _group_staged(reads, g, start, needed, slots, open_groups)
+
+
+def _group_staged(reads: _Reads, g: int, start: int, needed: list, slots: dict[str, list[Slot]],
+                  open_groups: dict[int, _Group]) -> None:
+    """Staged chunk ``g``'s share of each piece joins that piece's open group; a group
+    closes at an element boundary (an element may straddle two chunks)."""
+    for pc, lo, hi, ss in needed:
+        if not ss:
+            continue
+        grp = open_groups.get(id(pc))
+        if grp is None:  # a partial head element touches no slot (else the last chunk had it)
+            e0 = -(-lo // pc.elem)
+            grp = open_groups[id(pc)] = _Group(pc, [], e0, 0, slots[pc.meta.name], e0 * pc.elem - lo)
+        grp.spans.append((g, pc.meta.offset + lo - start, hi - lo))
+        grp.e1 = hi // pc.elem
+        if hi % pc.elem == 0:
+            reads.groups.append(open_groups.pop(id(pc)))
+
+
+def _stage(placed: Placed, reads: _Reads, chunk_meta: list[p.ChunkMeta], device: int) -> None:
+    """One staging buffer for the staged and tiled chunks; their views point into it."""
     import torch
 
+    sizes = [n for _, n in reads.staged] + [sum(tile_bytes(plan)) for plan in reads.tiled.values()]
+    staging = _staging(torch, sizes, device)
+    if staging is None:
+        return
+    placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
+    placed.keep.append(staging)
+    at = 0
+    for g, n in reads.staged:
+        placed.views[g] = staging[at:at + n]
+        at = aligned(at + n)
+    for g, plan in reads.tiled.items():
+        at = fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
+
+
+def _arm(placed: Placed, groups: list[_Group]) -> None:
+    """Each group waits on its chunks (``Placed.waiting``), reading their final views."""
+    for grp in groups:
+        if grp.e1 <= grp.e0:
+            continue
+        grp.left = {c for c, *_ in grp.spans}
+        for chunk in grp.left:
+            placed.waiting.setdefault(chunk, []).append(grp)
+        grp.spans = [(c, lo, n, placed.views[c]) for c, lo, n in grp.spans]
+
+
+# --- checks ---------------------------------------------------------------------------
+
+
+def _checked(shards: list[p.Manifest], targets: list[Target]):
+    """(pieces per shard, slots by tensor name, device), or ``LayoutError`` naming every
+    problem before anything is registered."""
     pieces, problems = _pieces(shards)
     slots: dict[str, list[Slot]] = {}
     for target in targets:
@@ -90,78 +207,7 @@ def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
     problems += regs
     if problems:
         raise LayoutError("the destination does not match the version's layout; nothing was written", problems)
-    owner = {id(s): t for t in targets for s in t.slots}
-    placed = Placed(views=[], regions=[], device=device, wanted=set())
-    staged: list[tuple[int, int]] = []  # (chunk, nbytes): whole chunks read into staging
-    tiled: dict[int, list] = {}  # chunk -> [(row block rows, strip range, row box list)]
-    groups: list[_Group] = []
-    chunk_id = 0
-    for rank, m in enumerate(shards):
-        spans = _chunk_spans(m, pieces[rank])
-        open_groups: dict[int, _Group] = {}  # a piece's bytes staged so far, up to an element boundary
-        start = 0
-        for c, meta in enumerate(m.chunks):
-            g = chunk_id + c
-            placed.views.append(None)
-            placed.digests.append(meta.digest)
-            needed = [(pc, lo, hi, [s for s in slots.get(pc.meta.name, ()) if _touches(pc, lo, hi, s)])
-                      for pc, lo, hi in spans[c]]
-            touched = {id(pc) for pc, _, _, ss in needed if ss}
-            for key in [k for k in open_groups if k not in touched]:
-                groups.append(open_groups.pop(key))  # its tail element touches no slot: done
-            if touched:
-                placed.wanted.add(g)
-                if len(needed) == 1 and (view := _direct(*needed[0], owner)) is not None:
-                    placed.views[g] = view
-                elif len(needed) == 1 and meta.tiles and (plan := _tiles_needed(*needed[0][:2], meta, needed[0][3])):
-                    tiled[g] = plan
-                else:
-                    staged.append((g, meta.nbytes))
-                    for pc, lo, hi, ss in needed:
-                        if not ss:
-                            continue
-                        grp = open_groups.get(id(pc))
-                        if grp is None:  # a partial head element touches no slot (else the last chunk had it)
-                            grp = open_groups[id(pc)] = _Group(pc, [], -(-lo // pc.elem), 0, slots[pc.meta.name],
-                                                             -(-lo // pc.elem) * pc.elem - lo)
-                        grp.spans.append((g, pc.meta.offset + lo - start, hi - lo))
-                        grp.e1 = hi // pc.elem
-                        if hi % pc.elem == 0:
-                            groups.append(open_groups.pop(id(pc)))
-            start += meta.nbytes
-        groups += open_groups.values()
-        chunk_id += len(m.chunks)
-    # Readers of one layout id read the same tiles of the same chunks, staged alike: one
-    # serves another its staged tiles as they lie (``Read.partial``).
-    placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
-                              + [(f"tiled:{g}", Box((), ())) for g in tiled])
-    sizes = [n for _, n in staged] + [sum(_tile_bytes(plan)) for plan in tiled.values()]
-    staging = _staging(torch, sizes, device)
-    if staging is not None:
-        placed.regions.append(Region(staging.data_ptr(), staging.nbytes, device))
-        placed.keep.append(staging)
-    at = 0
-    for g, n in staged:
-        placed.views[g] = staging[at:at + n]
-        at = _aligned(at + n)
-    chunk_meta = [meta for m in shards for meta in m.chunks]
-    for g, plan in tiled.items():
-        at = _fill_tiled(placed, g, plan, chunk_meta[g], staging, at)
-    for grp in groups:
-        if grp.e1 <= grp.e0:
-            continue
-        grp.left = {c for c, *_ in grp.spans}
-        for chunk in grp.left:
-            placed.waiting.setdefault(chunk, []).append(grp)
-        grp.spans = [(c, lo, n, placed.views[c]) for c, lo, n in grp.spans]
-    for t in targets:
-        if t.tensor.nbytes:
-            placed.regions.append(Region(t.tensor.data_ptr(), t.tensor.nbytes, device))
-            placed.keep.append(t.tensor)
-    return placed
-
-
-# --- checks ---------------------------------------------------------------------------
+    return pieces, slots, device
 
 
 def _pieces(shards: list[p.Manifest]) -> tuple[list[list[_Piece]], list[str]]:
@@ -238,14 +284,14 @@ def _touches(pc: _Piece, lo: int, hi: int, s: Slot) -> bool:
 
 
 def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
-    """The chunk's one contiguous run in a destination, or None."""
+    """(the chunk's one contiguous run in a destination, the slot it lies in), or None."""
     if lo % pc.elem or hi % pc.elem:
         return None
     boxes = _global_boxes(pc, lo // pc.elem, hi // pc.elem)
     for s in ss:
         if not all(intersect(b, s.box) == b for b in boxes):
             continue
-        views = [s.view[_slices(b, s.box.offsets)] for b in boxes]
+        views = [s.view[slices(b, s.box.offsets)] for b in boxes]
         ptr = views[0].data_ptr()
         at = ptr
         for v in views:
@@ -255,90 +301,8 @@ def _direct(pc: _Piece, lo: int, hi: int, ss: list[Slot], owner):
         else:
             target = owner[id(s)].tensor
             start = ptr - target.data_ptr()
-            return flat_bytes(target)[start:start + hi - lo]
+            return flat_bytes(target)[start:start + hi - lo], s
     return None
-
-
-def _slices(box: Box, origin) -> tuple[slice, ...]:
-    return tuple(slice(o - z, o - z + n) for o, z, n in zip(box.offsets, origin, box.sizes))
-
-
-# --- tiles ----------------------------------------------------------------------------
-
-
-def _row_boxes(pc: _Piece, r0: int, r1: int, c0: int, c1: int) -> list[tuple[int, Box]]:
-    """Rows [r0, r1) x columns [c0, c1) of a piece as local boxes, each with its first row."""
-    if len(pc.shape) == 1:
-        return [(r0, Box((r0,), (r1 - r0,)))]
-    out, at = [], r0
-    for b in range_boxes(r0, r1, pc.shape[:-1]):
-        out.append((at, Box(b.offsets + (c0,), b.sizes + (c1 - c0,))))
-        at += b.volume
-    return out
-
-
-def _tiles_needed(pc: _Piece, lo: int, meta: p.ChunkMeta, ss: list[Slot]):
-    """Per row block with any tile needed: (first row, rows, first strip, last strip).
-    None when every tile is needed (the chunk is read whole)."""
-    _, per_row = rows_of(pc.shape)
-    row_bytes = per_row * pc.elem
-    r0, rows = lo // row_bytes, meta.nbytes // row_bytes
-    width = per_row // meta.strips
-    plan, every = [], True
-    for b0 in range(r0, r0 + rows, meta.tile_rows):
-        b1 = min(b0 + meta.tile_rows, r0 + rows)
-        need = [k for k in range(meta.strips)
-                if any(intersect(box.shift(pc.origin), s.box)
-                       for _, box in _row_boxes(pc, b0, b1, k * width, (k + 1) * width) for s in ss)]
-        every &= len(need) == meta.strips
-        if need:
-            plan.append((b0, b1, need[0], need[-1]))
-    return None if every else (pc, r0, row_bytes, width, ss, plan)
-
-
-def _tile_bytes(plan) -> list[int]:
-    pc, _, row_bytes, width, _, blocks = plan
-    strip = width * pc.elem
-    return [_aligned((b1 - b0) * (k1 - k0 + 1) * strip) for b0, b1, k0, k1 in blocks]
-
-
-def _fill_tiled(placed: Placed, g: int, plan, meta: p.ChunkMeta, staging, at: int) -> int:
-    pc, r0, row_bytes, width, ss, blocks = plan
-    import torch
-
-    strip = width * pc.elem
-    dtype = getattr(torch, pc.meta.dtype)
-    tiled = Tiled()
-    first = at
-    for b0, b1, k0, k1 in blocks:
-        rows, cols = b1 - b0, (k1 - k0 + 1) * strip
-        buf = staging[at:at + rows * cols]
-        grid = buf.view(rows, cols)
-        if k0 == 0 and k1 == meta.strips - 1:  # whole rows: one descriptor for the block
-            tiled.pairs.append(((b0 - r0) * row_bytes, buf))
-        else:
-            tiled.pairs += [((r - r0) * row_bytes + k0 * strip, grid[r - b0]) for r in range(b0, b1)]
-        block = (b0 - r0) // meta.tile_rows
-        for k in range(k0, k1 + 1):
-            tiled.checks.append((grid[:, (k - k0) * strip:(k - k0 + 1) * strip], meta.tiles[block * meta.strips + k]))
-        typed = buf.view(dtype).view(rows, cols // pc.elem)
-        for first_row, box in _row_boxes(pc, b0, b1, k0 * width, (k1 + 1) * width):
-            n = box.volume // box.sizes[-1] if len(pc.shape) > 1 else box.volume
-            data = typed[first_row - b0:first_row - b0 + n].reshape(box.sizes)
-            _copies(tiled.copies, data, box.shift(pc.origin), ss)
-        tiled.nbytes += rows * cols
-        at = _aligned(at + rows * cols)
-    placed.views[g] = staging[first:at]
-    placed.parts[g] = tiled
-    return at
-
-
-def _copies(out: list, data, box: Box, ss: list[Slot]) -> None:
-    """(source, destination) views for every slot ``box``'s data overlaps."""
-    for s in ss:
-        common = intersect(box, s.box)
-        if common is not None:
-            out.append((data[_slices(common, box.offsets)], s.view[_slices(common, s.box.offsets)]))
 
 
 # --- staged groups --------------------------------------------------------------------
@@ -359,7 +323,7 @@ def _scatter_group(grp: _Group) -> None:
         data = typed[at:at + b.volume].reshape(b.sizes)
         at += b.volume
         copies: list = []
-        _copies(copies, data, b.shift(pc.origin), grp.slots)
+        slot_copies(copies, data, b.shift(pc.origin), grp.slots)
         for src, dst in copies:
             dst.copy_(src)
 
@@ -367,12 +331,8 @@ def _scatter_group(grp: _Group) -> None:
 # --- staging --------------------------------------------------------------------------
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def _staging(torch, sizes: list[int], device: int):
-    total = sum(_aligned(n) for n in sizes)
+    total = sum(aligned(n) for n in sizes)
     if not total:
         return None
     return torch.empty(total, dtype=torch.uint8, device="cpu" if device < 0 else f"cuda:{device}")

@@ -54,7 +54,7 @@ class Placed:
     keep: list = field(default_factory=list)  # tensors the regions point into
     digests: list[str] = field(default_factory=list)  # per chunk: its manifest's ChunkMeta.digest
     wanted: set[int] | None = None  # the chunks a reader needs; None: all
-    parts: dict = field(default_factory=dict)  # chunk -> overlap.Tiled: read in part
+    parts: dict = field(default_factory=dict)  # chunk -> tiles.Tiled: read in part
     waiting: dict[int, list] = field(default_factory=dict)  # chunk -> staged groups it completes
     layout: str = ""  # a reader of another layout: its id (boxes.layout_id of its slots)
 
@@ -93,8 +93,11 @@ class Placed:
         tiled = self.parts.get(chunk)
         return self.views[chunk].nbytes if tiled is None else tiled.nbytes
 
-    def finish(self, chunk: int) -> None:
-        """A verified staged chunk: copy its bytes into the destination tensors."""
+    def finish(self, chunk: int) -> bool:
+        """A verified chunk: copy its bytes into the destination tensors it lands in
+        besides its view (staged pieces, tiles, overlapping slots). True when it may have
+        queued copies (on a device: async, the caller's stream must wait for them)."""
+        copied = chunk in self.scatter or chunk in self.parts or chunk in self.waiting
         for piece in self.scatter.get(chunk, ()):
             piece.dst[piece.offset:piece.offset + piece.nbytes].copy_(piece.src[:piece.nbytes])
         tiled = self.parts.get(chunk)
@@ -103,3 +106,4 @@ class Placed:
                 dst.copy_(src)
         for group in self.waiting.pop(chunk, ()):
             group.arrived(chunk)
+        return copied

@@ -7,8 +7,10 @@ A reader's destination is a list of ``Target``: one registered tensor (an engine
 parameter, a DTensor's local shard) and the ``Slot``s that fill it, each a box of one
 global tensor landing in a view of that tensor. Fused parameters (vLLM's ``qkv_proj``)
 are one target with several slots; a TP slice is one slot over part of a global tensor.
-Helpers that build them: ``whole``, ``tp``, ``fused`` here; DTensors in ``dtensor``;
-``targets(into)`` turns a fetch destination (tensors, DTensors, Targets) into targets.
+Helpers that build them: ``whole``, ``tp``, ``fused`` here; DTensors in ``dtensor``
+(which builds on these records; this module knows nothing of DTensors). A fetch
+destination mixing tensors, DTensors and Targets becomes targets in
+``endpoint.layouts.targets``.
 """
 
 from __future__ import annotations
@@ -130,29 +132,3 @@ def fused(tensor, parts, dim: int, rank: int, world: int) -> Target:
             offsets = tuple(start if d == dim else 0 for d in range(len(gshape)))
             slots.append(Slot(name, Box(offsets, sizes), tensor.narrow(dim, at, size), gshape))
     return Target(tensor, slots)
-
-
-def targets(into: dict) -> list[Target]:
-    """A fetch destination as targets: a tensor is ``whole``, a DTensor its local box
-    (``dtensor.target``), a ``Target`` itself. Every bad key is named at once."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from . import dtensor
-
-    out, problems = [], []
-    for key, value in into.items():
-        try:
-            if isinstance(value, Target):
-                out.append(value)
-            elif isinstance(value, DTensor):  # before Tensor: a DTensor is one
-                out.append(dtensor.target(key, value))
-            elif isinstance(value, torch.Tensor):
-                out.append(whole(key, value))
-            else:
-                problems.append(f"{key}: a {type(value).__name__}, not a tensor, DTensor or Target")
-        except LayoutError as e:
-            problems += e.problems
-    if problems:
-        raise LayoutError("the destination cannot be laid out", problems)
-    return out

@@ -48,6 +48,8 @@ def tensors(kind: str, seed: int) -> dict[str, torch.Tensor]:
                 "bf": torch.randn(96, 256, generator=g).bfloat16(), "b": torch.randn(7, generator=g),
                 "h": torch.randn(33, 12, generator=g).half(),
                 "n": torch.randint(-2**40, 2**40, (64, 64), generator=g)}
+    if kind == "fsdp":
+        return {k: v.detach().clone() for k, v in fsdp_module(seed).state_dict().items()}
     if kind == "uneven":
         return {"five": torch.randn(5, 96, generator=g), "seven": torch.randn(7, 1024, generator=g),
                 "three": torch.randn(3, 4096, generator=g), "tri": torch.randn(3, generator=g),
@@ -70,6 +72,18 @@ def placements(code: str, t: torch.Tensor) -> list:
 def chunk_of(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     pieces = t.chunk(world, dim)
     return pieces[rank] if rank < len(pieces) else t.narrow(dim, t.shape[dim], 0)
+
+
+def fsdp_module(seed: int) -> torch.nn.Module:
+    """A model as FSDP2 leaves it: parameters (sharded by ``fully_shard``) beside
+    buffers it leaves plain, a small one (rotary ``inv_freq``, packed with others) and
+    one big enough to be chunked in place (128 KiB: two chunks)."""
+    torch.manual_seed(seed)  # the layers' init draws from the global generator
+    m = torch.nn.Module()
+    m.up, m.down, m.norm = torch.nn.Linear(64, 256), torch.nn.Linear(256, 7), torch.nn.LayerNorm(7)
+    m.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    m.register_buffer("cache", torch.randn(128, 256))
+    return m
 
 
 def llama(seed: int):
@@ -101,6 +115,24 @@ class Worker:
         mesh = self.mesh(c["mesh"])
         sd = {n: distribute_tensor(t, mesh, placements(c["placements"], t)) for n, t in full.items()}
         self.keep.append(sd)
+        manifest = self.ep.publish(c["model"], 1, sd)
+        return {"tensors": [[t.name, t.nbytes, t.shape, t.box_offsets] for t in manifest.tensors]}
+
+    def fsdp_publish(self, c: dict) -> dict:
+        """Publish ``fsdp_module``'s state_dict after ``fully_shard`` over this group,
+        as an FSDP2 trainer would: DTensors beside plain buffers."""
+        from torch.distributed.fsdp import fully_shard
+
+        m = fsdp_module(c["seed"])
+        mesh = self.mesh((self.world,))
+        for layer in (m.up, m.down):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        sd = m.state_dict()
+        kinds = sorted({type(v).__name__ for v in sd.values()})
+        if kinds != ["DTensor", "Tensor"]:  # the case needs both, as FSDP2 gives them
+            raise AssertionError(f"fully_shard gave a state_dict of {kinds}, not DTensors beside plain buffers")
+        self.keep.append(m)
         manifest = self.ep.publish(c["model"], 1, sd)
         return {"tensors": [[t.name, t.nbytes, t.shape, t.box_offsets] for t in manifest.tensors]}
 

@@ -120,6 +120,28 @@ def test_fused_qkv_and_a_column_slice_land_exactly_over_either_engine(hub, engin
             ep.close()
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_whole_tensor_beside_a_slice_of_it_both_get_every_byte_read_once(hub, dim):
+    """Overlapping slots (``whole`` beside ``tp`` of one tensor, in one ``into``): every
+    slot is filled, none left zero while every checksum passes, and each chunk crosses
+    the wire once (the overlapping slot is a copy of verified bytes)."""
+    full = weights(4)
+    pubs = publish_sharded(hub, full, 2, dim=0)
+    try:
+        with connect(hub, TOKEN, name="overlapping", **SMALL) as ep:
+            w = full["w"]
+            whole_w, sl = torch.zeros_like(w), torch.zeros_like(w.chunk(2, dim)[1].contiguous())
+            into = {"w_all": Target(whole_w, [Slot("w", Box((0, 0), tuple(w.shape)), whole_w, tuple(w.shape))]),
+                    "w_tp": tp("w", sl, tuple(w.shape), dim, 1, 2)}
+            ep.fetch("m", 1, into=into, timeout=30)
+            assert torch.equal(whole_w, w)
+            assert torch.equal(sl, w.chunk(2, dim)[1]), "the slice beside the whole tensor stayed zero"
+            assert ep.last_fetch["bytes"] == w.nbytes, ep.last_fetch  # each chunk read once
+    finally:
+        for ep in pubs:
+            ep.close()
+
+
 def test_a_tile_corrupted_at_the_publisher_is_never_accepted(hub):
     """Contract 5 under layouts: a column reader reads tiles; a flipped byte in one of
     them fails its tile digest, and with no other holder the fetch fails, not succeeds."""

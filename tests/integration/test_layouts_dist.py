@@ -225,6 +225,18 @@ def test_uneven_shard0_with_empty_shards_to_a_whole_reader(pools, hub, pub, mode
     assert got["bytes"] >= nbytes("uneven", 4)
 
 
+def test_fsdp2_state_dict_with_plain_buffers_publishes_each_byte_once(pools, hub):
+    """FSDP2 leaves buffers plain on every rank: mesh rank 0 alone publishes them, so
+    the version covers each tensor once (the hub refused it as overlapping before)
+    and a reader gets every byte of parameters and buffers."""
+    published = pools["pub2"].call("fsdp_publish", model="c6", seed=7)
+    assert_published_once(published, "fsdp", 7)
+    names = [{name for name, *_ in r["tensors"]} for r in published]
+    assert {"inv_freq", "cache"} <= names[0] and not {"inv_freq", "cache"} & names[1], names
+    got = fetch_whole(hub, "c6", tensors("fsdp", 7))  # checks every byte
+    assert got["bytes"] >= nbytes("fsdp", 7)
+
+
 @pytest.mark.parametrize("placements,model", [("s0,r", "c5a"), ("r,s1", "c5b")])
 def test_2d_mesh_publishers_to_shard1_readers(pools, placements, model):
     published = pools["pub4"].call("publish", model=model, kind="mixed", seed=5, mesh=[2, 2],

@@ -112,3 +112,37 @@ def test_checksum_is_the_manifest_digest_xxh3_64_of_the_bytes(nbytes):
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     assert checksum(data) == xxhash.xxh3_64_intdigest(data.numpy().tobytes())
+
+
+def test_the_layout_modules_import_no_circle():
+    """Every import between ``tensorhub_cli/layout`` modules, function-level ones too,
+    goes one way (a circle made ``targets`` import ``dtensor`` inside a function)."""
+    import ast
+    from pathlib import Path
+
+    import tensorhub_cli.layout as pkg
+
+    root = Path(pkg.__file__).parent
+    edges = {}
+    for path in root.glob("*.py"):
+        mod = path.stem
+        edges[mod] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:  # from .x import y
+                    edges[mod].add(node.module.split(".")[0])
+                else:  # from . import x, y
+                    edges[mod].update(a.name for a in node.names)
+    edges.pop("__init__")
+    edges = {m: {d for d in ds if d in edges and d != m} for m, ds in edges.items()}
+
+    def circle(m, path):
+        if m in path:
+            return path[path.index(m):] + [m]
+        for d in sorted(edges[m]):
+            if found := circle(d, path + [m]):
+                return found
+        return None
+
+    for m in sorted(edges):
+        assert circle(m, []) is None, " -> ".join(circle(m, []))

@@ -56,8 +56,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from tensorhub_cli.endpoint.layouts import targets
     from tensorhub_cli.layout import dtensor
-    from tensorhub_cli.layout.targets import targets
+    from tensorhub_cli.layout.targets import Part
 
     result = {}
     # A peer that died must fail the collectives here, not hang them until the join gives up.
@@ -68,11 +69,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         for name, (mshape, gshape, spec) in CASES[world].items():
             mesh = meshes.setdefault(mshape, init_device_mesh("cpu", mshape))
             dt = distribute_tensor(full(gshape), mesh, _placements(spec))
-            got, rw = dtensor.parts({name: dt, "plain": torch.ones(1)})
+            plain, given = torch.ones(1), Part(torch.ones(1), (2,), (rank % 2,))
+            got, rw = dtensor.parts({name: dt, "plain": plain, "given": given})
             tg = dtensor.target(name, dt)
             (via,) = targets({name: dt})  # a fetch destination holding the DTensor itself
             result[name] = {
-                "rw": rw, "plain_same": got["plain"] is not None and torch.equal(got["plain"], torch.ones(1)),
+                "rw": rw, "plain": "plain" in got and got["plain"] is plain, "given": got.get("given") is given,
                 "part": None if name not in got else (got[name].box, got[name].global_shape,
                                                       got[name].tensor.clone(),
                                                       _same_memory(got[name].tensor, dt.to_local())),
@@ -151,7 +153,10 @@ def test_parts_cover_and_targets_are_local_boxes(ranks):
         for r, res in enumerate(results):
             got = res[name]
             assert got["rw"] == (r, world), name  # row-major coordinate = global rank here
-            assert got["plain_same"], name
+            # A plain tensor beside DTensors (an FSDP2 buffer) is mesh rank 0's alone,
+            # published as it is; a Part's box is its caller's: every rank keeps its own.
+            assert got["plain"] == (r == 0), (name, r)
+            assert got["given"], (name, r)
             if got["part"] is not None:
                 box, gs, tensor, in_place = got["part"]
                 assert gs == tuple(gshape)

@@ -132,3 +132,42 @@ def test_fused_and_whole_targets_and_bad_ones():
                              fused(torch.zeros(4, 32), [("x", (8, 32))], 0, 0, 2)])
     assert any(p.startswith("q: dtype float64") for p in err.value.problems)
     assert any(p.startswith("x: not a tensor of this version") for p in err.value.problems)
+
+
+@pytest.mark.parametrize("order", ["whole first", "slice first"])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_chunk_inside_several_slots_fills_every_one_of_them(order, dim):
+    """``whole("w", a)`` beside ``tp("w", b, ...)``: each chunk is read once, into the
+    first slot that holds it in one run, and copied into every other slot it overlaps
+    once verified; no slot is left zero while every check passes."""
+    g = torch.Generator().manual_seed(2)
+    full = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(40, generator=g),
+            "c": torch.randn(24, generator=g)}  # b, c: small, packed in one staged chunk
+    shards, placeds = publish(full, 0, 2)
+    a, b2, c, c2 = (torch.zeros(256, 64), torch.zeros(40), torch.zeros(24), torch.zeros(24))
+    tgt = [Target(a, [Slot("w", Box((0, 0), (256, 64)), a, (256, 64))]),
+           tp("w", sl := torch.zeros(128 if dim == 0 else 256, 64 if dim == 0 else 32), (256, 64), dim, 1, 2),
+           Target(b2, [Slot("b", Box((0,), (40,)), b2, (40,))]),
+           Target(c, [Slot("c", Box((0,), (24,)), c, (24,))]), Target(c2, [Slot("c", Box((0,), (24,)), c2, (24,))])]
+    if order == "slice first":
+        tgt.reverse()
+    placed = place_boxes(shards, tgt)
+    moved = move(shards, placeds, placed)
+    assert torch.equal(a, full["w"]) and torch.equal(b2, full["b"])
+    assert torch.equal(c, full["c"]) and torch.equal(c2, full["c"])
+    assert torch.equal(sl, full["w"].chunk(2, dim)[1]), "the second slot of w stayed (partly) zero"
+    # read once: the whole model, not the model plus the slice
+    assert moved <= sum(m.nbytes for sh in shards for m in sh.chunks)
+
+
+def test_finish_says_when_a_verified_chunk_was_copied_on():
+    """Callers make their stream wait only when ``finish`` queued copies: a chunk read
+    straight into its one slot queues none; one with an overlapping slot does."""
+    full = {"w": torch.randn(256, 64)}
+    shards, placeds = publish(full, 0, 1)
+    for extra, want in (([], False), ([tp("w", torch.zeros(128, 64), (256, 64), 0, 0, 2)], True)):
+        a = torch.zeros(256, 64)
+        placed = place_boxes(shards, [Target(a, [Slot("w", Box((0, 0), (256, 64)), a, (256, 64))])] + extra)
+        g = min(placed.wanted)
+        placed.views[g].copy_(placeds[0].views[g])
+        assert placed.finish(g) is want

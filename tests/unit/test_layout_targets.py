@@ -12,7 +12,8 @@ import torch
 from tensorhub_cli.errors import LayoutError
 from tensorhub_cli.layout import vllm_llama
 from tensorhub_cli.layout.boxes import Box, cover_problems
-from tensorhub_cli.layout.targets import Part, Slot, Target, fused, targets, tp, whole
+from tensorhub_cli.endpoint.layouts import targets
+from tensorhub_cli.layout.targets import Part, Slot, Target, fused, tp, whole
 
 
 def region(t, box: Box):
