@@ -348,8 +348,7 @@ def _settle_checks(me: Member, checking: dict, bad: list[int], *, block: bool) -
             me.stats["corrupt"] += 1
             bad.append(c)
             continue
-        me.held.placed.finish(c)
-        if c in me.held.placed.scatter:  # async copies: the caller's stream waits for the last one
+        if me.held.placed.finish(c):  # async copies: the caller's stream waits for the last one
             me.held.written = streams.scattered(me.held.placed.device)
         with me.held.lock:
             me.held.held.add(c)

@@ -318,9 +318,7 @@ class Fetch:
                 self._fail(chunk, source)
                 continue
             placed = self.held.placed
-            copies = chunk in placed.scatter or chunk in placed.parts or chunk in placed.waiting
-            placed.finish(chunk)
-            if copies:
+            if placed.finish(chunk):
                 # async copies: the caller's stream waits for them (streams)
                 self.held.written = streams.scattered(placed.device)
             partial = chunk in placed.parts
