@@ -66,7 +66,8 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
       heartbeat_s: heartbeat period (1.0).
       read_timeout_s: one chunk read before it is re-planned (30.0).
       plan_timeout_s: one plan round trip to the hub (5.0).
-      drain_timeout_s: what a leaving agent grants each replica's drain (120.0).
+      drain_timeout_s: what a leaving agent grants each replica's drain, and a failed
+        fetch its partial replica's withdrawal (120.0).
       call_timeout_s: any other hub or peer round trip (5.0).
       connect_timeout: until the hub accepts our registration (10.0).
       peer_idle_s: our peer server closes a reader's idle connection (300.0).

@@ -27,11 +27,9 @@ Protocol (per method, what the caller may do once it returns):
 - ``close()``: unpublishes everything and waits for reads a failed fetch left running
   (each bounded by ``drain_timeout``), deregisters, stops its threads and engines.
 
-Registrations (``registrations``): memory published or fetched into again (in-place
-parameters every step, the same destination every version) is registered with the
-engine once. After an unpublish its registration stays, unused, until the next
-publish or fetch of that model that does not reuse it, ``close``, or ``release``;
-at most ``reg_cache_bytes`` (256 GiB; 0: deregister at once) stay unused.
+Registrations (``registrations``): memory published or fetched into again is
+registered with the engine once, and kept (unused) within ``reg_cache_bytes``; memory
+a given-up read may still write is fenced (``zombies``).
 
 Errors are those of ``tensorhub_cli.errors`` (all ``TensorHubError``): a bad argument
 raises ``BadArgument`` naming it before anything changed; any call after ``close``
@@ -41,17 +39,12 @@ Commands the hub pushes run through ``on_command`` (default: ``SyncCommands``, w
 serves ``th sync`` into what ``accept_sync`` named); see ``commands`` for what a
 handler may do.
 
-Timeouts, each set at construction (the cluster spec's ``endpoints`` and
-``hub.heartbeat_s`` through ``connect(cluster=...)``) and, where a method takes one,
-per call: ``heartbeat_s`` (1.0; the beat period), ``read_timeout_s`` (30.0; one chunk
-read before it is re-planned), ``plan_timeout_s`` (5.0; one plan round trip),
-``drain_timeout_s`` (120.0; what a leaving agent grants each replica on failover),
-``call_timeout_s`` (5.0; any other hub or peer round trip: versions, reports, the
-cleanup of a failed fetch, asking a holder where its chunks are), ``connect_timeout``
-(10.0; registration), ``peer_idle_s`` (300.0; our peer server closes a reader's
-connection idle this long), ``conn_idle_s`` (60.0; our tcp engine reuses a pooled
-connection to a holder idle at most this long: keep it below the holders'
-``peer_idle_s``).
+Timeouts, each set at construction (``tensorhub_cli.api.connect`` says what each
+bounds; the cluster spec's ``endpoints`` through ``connect(cluster=...)``) and, where a
+method takes one, per call: ``heartbeat_s``, ``read_timeout_s``, ``plan_timeout_s``,
+``drain_timeout_s`` (also a failed fetch's withdrawal of its partial replica),
+``call_timeout_s``, ``connect_timeout``, ``peer_idle_s``, ``conn_idle_s`` (keep it
+below the holders' ``peer_idle_s``).
 
 Threads: the caller's (publish, fetch, unpublish), the service thread (register,
 heartbeat, engine progress), the command workers (the handler), the peer server
@@ -72,11 +65,9 @@ from typing import Callable, Optional
 
 import msgspec
 
-from ..engines import wire
-from ..engines.base import Engine
+from ..engines import choice, wire
 from ..engines.serve import Regions
 from ..engines.tcp import IDLE_S as TCP_IDLE_S
-from ..engines.tcp import TcpEngine
 from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
@@ -92,24 +83,6 @@ from .service import Service
 from .zombies import Zombies
 
 log = logging.getLogger("tensorhub.endpoint")
-
-
-def make_engine(kind: str, name: str, token: str, host: str,
-                conn_idle_s: float = TCP_IDLE_S) -> tuple[Engine, TcpEngine]:
-    """Our engine, and the tcp engine every endpoint also has (to read holders whose
-    engine differs from ours); NIXL falls back to tcp, loudly, when it cannot load."""
-    tcp = TcpEngine(token, source=host, idle_s=conn_idle_s)
-    if kind == "tcp":
-        return tcp, tcp
-    if kind != "nixl":
-        raise EndpointError(f"engine {kind!r} is not one of: nixl, tcp")
-    try:
-        from ..engines.nixl import NixlEngine
-
-        return NixlEngine(name), tcp
-    except Exception as exc:  # an ImportError, or a backend UCX cannot create
-        log.warning("NIXL unavailable (%s); this endpoint falls back to the tcp engine", exc)
-        return tcp, tcp
 
 
 class Endpoint:
@@ -131,7 +104,7 @@ class Endpoint:
         self.call_timeout_s = call_timeout_s
         self.served = Regions()
         reg_cache_bytes = cap_bytes(reg_cache_bytes)  # (checked before an engine exists to leak)
-        self.engine, self.tcp = make_engine(engine, info.name, token, host, conn_idle_s)
+        self.engine, self.tcp = choice.make(engine, info.name, token, host, conn_idle_s)
         self._registrations = Registrations(self.engine, reg_cache_bytes)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
@@ -433,7 +406,7 @@ class Endpoint:
                     self.unpublish(held.model, held.version, timeout=drain_timeout)
                 except Exception as exc:
                     log.warning("close: %s", exc)
-            self._await_zombies(drain_timeout)
+            self.zombies.await_idle(self._call, drain_timeout, lambda: bool(self.service.fenced))
         self.service.stop()
         self._shut = True
         for held in self._held():
@@ -447,19 +420,6 @@ class Endpoint:
         self.tcp.close()
         self.engine.close()
         self.verifiers.shutdown(wait=True, cancel_futures=True)
-
-    def _await_zombies(self, timeout: float) -> None:
-        """Reap (on this thread too, so not a beat apart) until no zombie is left, for up
-        to ``timeout`` seconds; then say what we gave up on (deregistering drops its pins,
-        and the engine's close stops what still runs)."""
-        deadline = time.monotonic() + timeout
-        while not self.zombies.idle() and time.monotonic() < deadline and not self.service.fenced:
-            self.zombies.reap(self._call)
-            time.sleep(0.02)
-        left = self.zombies.pending()
-        if left:
-            log.warning("close of %s: gave up after %.1fs waiting for %s; deregistering anyway",
-                        self.name, timeout, "; ".join(left))
 
     def __enter__(self) -> "Endpoint":
         return self

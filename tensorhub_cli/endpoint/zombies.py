@@ -25,7 +25,8 @@ Protocol, per version (one ``Left`` record: what a failed fetch left of it):
 - ``wait_for(key, regions, deadline, call)``: a new fetch of ``key`` (or a publish,
   key None) waits until no read of ``key`` is pinned or being cancelled and no zombie
   may write into ``regions``; stopped reads still to cancel it cancels itself.
-- ``fenced()``: the registrations zombies still own (``close`` leaks them rather
+- ``await_idle(call, timeout)``: ``Endpoint.close`` reaps until nothing is left;
+  ``fenced()``: the registrations zombies still own (``close`` leaks them rather
   than deregister memory a read may write); ``idle()`` / ``pending()``.
 
 A version is *settled* (cancelled, maybe withdrawn) by one thread at a time
@@ -200,6 +201,17 @@ class Zombies:
         with self._lock:
             return [left.origin.reg for left in self._left.values()
                     if left.reads and getattr(left.origin, "reg", None) is not None]
+
+    def await_idle(self, call: Call, timeout: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Reap (on the caller's thread too, so not a beat apart) until nothing is
+        left, ``stop()`` or ``timeout`` seconds; then say what was given up on."""
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline and not stop():
+            self.reap(call)
+            time.sleep(0.02)
+        left = self.pending()
+        if left:
+            log.warning("%s: gave up after %.1fs waiting for %s", self.name, timeout, "; ".join(left))
 
     def idle(self) -> bool:
         return not self.pending()

@@ -67,7 +67,7 @@ def test_describe_refusals_reach_the_reader(served):
 
 
 def test_an_endpoint_without_nixl_falls_back_to_tcp_with_one_warning(monkeypatch, caplog):
-    from tensorhub_cli.endpoint.endpoint import make_engine
+    from tensorhub_cli.engines.choice import make as make_engine
 
     monkeypatch.setenv("TH_NIXL_MODULE", "nixl_absent")
     with caplog.at_level(logging.WARNING, logger="tensorhub.endpoint"):
