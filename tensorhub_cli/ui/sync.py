@@ -2,12 +2,14 @@
 
 A target that completed before a second sample existed (an instant sync: it held the
 version already, or the copy took less than one poll) has no rate: it shows ``-``,
-not rich's ``?``.
+not rich's ``?``. The bars fit 80 columns (a pipe): a failed target shows ``failed``,
+its reason is in the line `th sync` ends with.
 """
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.table import Column
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.text import Text
 
@@ -23,9 +25,13 @@ class _Rate(TransferSpeedColumn):
 
 class SyncView:
     def __init__(self, console: Console):
+        # Fixed widths that fit 80 columns: names and byte counts never wrap; a failure
+        # shows as "failed" here and its reason in the command's closing line.
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-            _Rate(), TextColumn("{task.fields[outcome]}"), console=console, transient=False)
+            TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=20),
+            DownloadColumn(binary_units=True, table_column=Column(no_wrap=True)),
+            _Rate(table_column=Column(no_wrap=True)), TextColumn("{task.fields[outcome]}"), console=console,
+            transient=False)
         self.tasks: dict[str, int] = {}
 
     def __enter__(self) -> "SyncView":
@@ -41,5 +47,5 @@ class SyncView:
         for name, t in run.targets.items():
             if name not in self.tasks:
                 self.tasks[name] = self.progress.add_task(name, total=run.nbytes or None, outcome="")
-            outcome = "[green]done[/]" if t.done else (f"[red]failed: {t.failed}[/]" if t.failed else "")
+            outcome = "[green]done[/]" if t.done else ("[red]failed[/]" if t.failed else "")
             self.progress.update(self.tasks[name], total=run.nbytes or None, completed=t.held_bytes, outcome=outcome)

@@ -29,13 +29,25 @@ def shown(watch: Watch, now: float, reply: p.StatusReply) -> str:
     return console.export_text()
 
 
+def row_of(text: str, name: str) -> str:
+    """The lines of ``name``'s row (a cell of several names goes on over the next lines)."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+    block = [lines[i]]
+    for line in lines[i + 1:]:
+        if not line.startswith(" "):
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
 def test_a_fetch_shows_progress_rate_stall_and_events():
     watch = Watch()
     first = shown(watch, 10.0, snapshot(20_000_000, 5.0))
-    row = next(line for line in first.splitlines() if line.startswith("│ rollout-0"))
+    row = row_of(first, "rollout-0")
     assert "policy@1" in row and "policy@2" in row and "0.0s" in row  # holds v1, fetching v2, stall begins
     later = shown(watch, 12.0, snapshot(60_000_000, 7.0))
-    row = next(line for line in later.splitlines() if line.startswith("│ rollout-0"))
+    row = row_of(later, "rollout-0")
     assert " 20 " in row  # (60 - 20) MB over 2 s
     assert "2.0s" in row  # waiting for v2 since the first snapshot
     assert "ready" in later and "policy@2" in later.split("last events")[1]
@@ -47,6 +59,6 @@ def test_a_finished_fetch_is_forgotten():
     done = snapshot(100_000_000, 6.0)
     done.versions[1].holders[1].complete = True
     text = shown(watch, 11.0, done)
-    row = next(line for line in text.splitlines() if line.startswith("│ rollout-0"))
-    assert "policy@1, policy@2" in row and "1.0s" not in row  # holds it now; no stall shown
+    row = row_of(text, "rollout-0")
+    assert "policy@1" in row and "policy@2" in row and "1.0s" not in row  # holds it now; no stall shown
     assert not watch._prev and not watch._partial_since
