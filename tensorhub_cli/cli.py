@@ -395,7 +395,7 @@ def sync(model: str = typer.Argument(..., help="model name"),
     Ctrl-C stops this command watching, not the fetches: the targets were asked already
     and finish on their own (it says who was where; `th status --watch` follows them)."""
     from .launch import operate
-    from .ui.sync import SyncView
+    from .ui.sync import SyncView, interrupted
 
     if (role is None) == (node is None):
         fail("th sync: give exactly one of --role ROLE or --node NODE", 2)
@@ -422,7 +422,7 @@ def sync(model: str = typer.Argument(..., help="model name"),
     except operate.OperateError as exc:
         fail(f"th sync: {exc}", exc.code)
     except KeyboardInterrupt:
-        fail(_sync_interrupted(model, seen[0] if seen else None), 130)
+        fail(interrupted(model, seen[0] if seen else None), 130)
     finally:
         client.close()
     failed = {n: t.failed for n, t in run.targets.items() if t.failed}
@@ -433,23 +433,6 @@ def sync(model: str = typer.Argument(..., help="model name"),
         fail("th sync: failed on " + "; ".join(f"{n}: {why}" for n, why in sorted(failed.items())), 1)
     if not as_json:
         out.print(f"synced {model}@{run.version} to {len(run.targets)} endpoint(s)")
-
-
-def _sync_interrupted(model: str, run) -> str:
-    """What Ctrl-C during `th sync` leaves behind: the targets were asked already and
-    fetch on their own; this command only watched them."""
-    if run is None:
-        return ("interrupted before the hub answered: the sync may have been asked for already; "
-                f"`th status --watch` shows any fetch of {model} under way")
-    going = [t for t in run.targets.values() if not t.done and not t.failed]
-    if not going:
-        return f"interrupted; every target of {model}@{run.version} had finished"
-    size = f"{run.nbytes / 2**20:.1f} MiB" if run.nbytes else "?"
-    where = ", ".join(f"{t.name} {t.held_bytes / 2**20:.1f}/{size}" for t in sorted(going, key=lambda t: t.name))
-    return (f"interrupted: this command only watched; the targets go on fetching {model}@{run.version} on their own "
-            f"(when interrupted: {where}). `th status --watch` follows them; nothing stops a fetch midway: "
-            f"to take a node's copy away, `th unpublish {model} {run.version} --node NODE` (it waits for that "
-            "node's reads to end)")
 
 
 @app.command()

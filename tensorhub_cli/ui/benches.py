@@ -18,7 +18,8 @@ FAULTS_LEGEND = (
     "kill_hub, kill_agent: until the version is READY again; kill_reader, zombie_read: how long the source's "
     "unpublish waited; slow_heartbeat: until the hub heard the stopped source again).\n"
     "slowdown: the faulted operation's time ÷ the same operation without the fault, both in this run "
-    "(1 = no cost; kill_reader's unpublish waits for the hub to expire the dead reader, hence thousands).\n"
+    "(1 = no cost; below 1 the fault sent the reader to a faster source, e.g. corrupt_chunk's clean holder is not "
+    "throttled; kill_reader's unpublish waits for the hub to expire the dead reader, hence thousands).\n"
     "-: not measured for that fault. Each row's detail follows; `th bench faults --help` and --json say more.")
 
 
@@ -64,7 +65,8 @@ def render_bench_p2p(console: Console, r: dict) -> None:
              f"processes, {r['engine']}, median of {r['reps']}", names=("method",))
     gbps = r["bytes"] * 8 / 1e9
     t.add_row("ours (endpoint fetch)", f"{r['ours_s']:.3f}", f"{gbps / r['ours_s']:.2f}", "-")
-    t.add_row("raw NIXL READ", f"{r['raw_nixl_s']:.3f}", f"{gbps / r['raw_nixl_s']:.2f}", f"{r['ratio_vs_raw_nixl']:.3f}")
+    t.add_row("raw NIXL READ", f"{r['raw_nixl_s']:.3f}", f"{gbps / r['raw_nixl_s']:.2f}",
+              f"{r['ratio_vs_raw_nixl']:.3f}")
     t.add_row("raw TCP stream", f"{r['raw_tcp_s']:.3f}", f"{gbps / r['raw_tcp_s']:.2f}", f"{r['ratio_vs_raw_tcp']:.3f}")
     console.print(t)
     nixl = r["ratio_vs_raw_nixl"]

@@ -62,3 +62,18 @@ def test_a_finished_fetch_is_forgotten():
     row = row_of(text, "rollout-0")
     assert "policy@1" in row and "policy@2" in row and "1.0s" not in row  # holds it now; no stall shown
     assert not watch._prev and not watch._partial_since
+
+
+def test_the_watch_view_reads_at_80_columns():
+    from .test_cli_width import split_names
+
+    state = ClusterState(cluster="demo", launcher="local", hub_address="tcp://127.0.0.1:1",
+                         hub_node_address="127.0.0.1", metrics_port=None, heartbeat_s=0.5, expiry_s=3.0)
+    console = Console(record=True, width=80)
+    console.print(Watch().render(10.0, state, snapshot(20_000_000, 5.0), {}, {}))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert not split_names(text, ["rollout-0", "trainer", "policy@1", "policy@2"]), text
+    assert "rollout-0" in text.split("endpoints")[1], text  # not cut to "rol…"
+    row = row_of(text, "rollout-0")  # the endpoints row: its name, what it holds and fetches, whole
+    assert "policy@1" in row and "policy@2" in row and "0.0s" in row, text
