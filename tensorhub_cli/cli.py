@@ -10,6 +10,7 @@ Help follows ``ui.helpstyle``; ``th bench`` lives in ``bench/cli.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -52,9 +53,15 @@ def _version(value: bool) -> None:
 @app.callback()
 def _th(ctx: typer.Context,
         quiet: bool = typer.Option(False, "-q", "--quiet", help="no progress lines: results and errors only"),
+        verbose: bool = typer.Option(False, "-v", "--verbose", help="NIXL's and UCX's own log lines too, in a "
+                                     "terminal (TH_VERBOSE=1 for the processes th starts; logs always keep them)"),
         version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                      help="print the version and exit")) -> None:
     set_quiet(quiet)
+    if verbose:
+        import os
+
+        os.environ["TH_VERBOSE"] = "1"  # (engines.nixl_shim: what this process starts inherits it)
     entered([ctx.invoked_subcommand or ""], reset=True)
 
 
@@ -197,10 +204,11 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = JsonFlag,
     """Hub, nodes (alive, rack, DC) in spec order, endpoints, versions and hub counters;
     --watch adds fetch progress (agents too) and events."""
     from .hub import protocol as p
+    from .hub.client import HubUnreachable
     from .launch.cluster import processes_alive, proc_key
     from .launch.procs import endpoint_name
     from .launch.state import cluster_dir
-    from .ui.status import render_status
+    from .ui.status import hub_down_hint, render_status
 
     if watch and as_json:
         fail("--watch and --json do not go together (--json is one snapshot, for scripts)", 2)
@@ -230,8 +238,11 @@ def status(cluster: Optional[str] = ClusterOpt, as_json: bool = JsonFlag,
     else:
         render_status(out, state, reply, alive, places)
         if problem:
-            err.print(f"hub: {plain(str(problem))}", markup=False, highlight=False)
+            err.print(f"hub: {plain(str(problem))}", markup=False, highlight=False, soft_wrap=True)
     if reply is None:
+        if isinstance(problem, HubUnreachable):  # down, not a refusal (a wrong token says so above)
+            err.print(f"th status: {hub_down_hint(state, alive, cluster_dir(name) / 'spec.yaml')}", markup=False,
+                      highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -274,18 +285,30 @@ def _with_problem(shown, problem):
 @app.command()
 def versions(model: Optional[str] = typer.Argument(None, help="only this model"), cluster: Optional[str] = ClusterOpt,
              as_json: bool = JsonFlag) -> None:
-    """Versions the hub knows: state (STAGING, READY, UNAVAILABLE), size, replicas."""
+    """Versions the hub knows: state (STAGING, READY, UNAVAILABLE), size, who holds them,
+    and why a copy stays (retention); a legend under the table says what each column means."""
     from .hub import protocol as p
-    from .ui.status import render_versions
+    from .hub.client import HubUnreachable
+    from .launch.state import cluster_dir
+    from .ui.status import Retention, hub_down_hint, render_versions
 
     name, state = _load_running(cluster)
     reply, problem = _ask_hub(name, state, p.Versions(model=model))
+    if reply is None and isinstance(problem, HubUnreachable):
+        from .launch.cluster import processes_alive
+
+        fail(f"{problem}: {hub_down_hint(state, processes_alive(name, state), cluster_dir(name) / 'spec.yaml')}", 1)
     if reply is None:
         fail(str(problem), 2 if getattr(problem, "code", None) == "not_found" else 1)
     if as_json:
         print(json.dumps(msgspec.to_builtins(reply.versions), indent=2))
-    else:
-        render_versions(out, reply.versions)
+        return
+    try:
+        declared = specmod.load(cluster_dir(name) / "spec.yaml").models
+    except specmod.SpecError:
+        declared = []
+    render_versions(out, reply.versions, {m.name: Retention(m.retain.keep_latest, m.retain.min_reliable_copies)
+                                          for m in declared})
 
 
 def _hub_client(name: str, state):
@@ -367,9 +390,12 @@ def sync(model: str = typer.Argument(..., help="model name"),
          cluster: Optional[str] = ClusterOpt, timeout: float = typer.Option(
              600.0, min=1, metavar="SECONDS", help="seconds until every target must be complete"),
          as_json: bool = typer.Option(False, "--json", help="print the outcome as JSON, no progress bars")) -> None:
-    """Have the target endpoints fetch a version; live progress per endpoint."""
+    """Have the target endpoints fetch a version; live progress per endpoint.
+
+    Ctrl-C stops this command watching, not the fetches: the targets were asked already
+    and finish on their own (it says who was where; `th status --watch` follows them)."""
     from .launch import operate
-    from .ui.sync import SyncView
+    from .ui.sync import SyncView, interrupted
 
     if (role is None) == (node is None):
         fail("th sync: give exactly one of --role ROLE or --node NODE", 2)
@@ -381,16 +407,22 @@ def sync(model: str = typer.Argument(..., help="model name"),
     def log(line: str) -> None:
         err.print(f"th sync: {line}", highlight=False, markup=False)
 
+    seen: list = []  # the last view of the run, for what to say on Ctrl-C
+
+    def update(run) -> None:
+        seen[:] = [run]
+        if view is not None:
+            view.update(run)
+
+    view = None
     try:
-        if as_json:
+        with contextlib.nullcontext() if as_json else SyncView(err) as view:
             run = operate.sync(client, model, None if version == "latest" else int(version), role, node, timeout,
-                               log=log)
-        else:
-            with SyncView(err) as view:
-                run = operate.sync(client, model, None if version == "latest" else int(version), role, node,
-                                   timeout, view.update, log=log)
+                               update, log=log)
     except operate.OperateError as exc:
         fail(f"th sync: {exc}", exc.code)
+    except KeyboardInterrupt:
+        fail(interrupted(model, seen[0] if seen else None), 130)
     finally:
         client.close()
     failed = {n: t.failed for n, t in run.targets.items() if t.failed}

@@ -22,9 +22,6 @@ from pathlib import Path
 
 from . import check, fabric as fab, net, nodes
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def testbed_dir() -> Path:
     return Path(os.environ.get("TH_TESTBED_DIR", "/run/th-testbed"))
 
@@ -65,8 +62,9 @@ def _yaml(doc, indent: int = 0) -> str:
 
 
 def _python() -> str:
-    venv = REPO / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+    # The interpreter running this: `th bench` runs it with its own (``bench.testbed.kit``),
+    # scripts/testbed with TH_PYTHON, else the repo's .venv: the nodes run what we run.
+    return sys.executable
 
 
 def up(args) -> dict:
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--dc-rtt-ms", type=float, default=0.0,
                    help="written into the spec's DC links; not emulated (this kernel has no netem)")
     u.add_argument("--name", default="testbed", help="cluster name in the YAML")
-    u.add_argument("--python", default=None, help="python on the nodes (default: the repo's .venv)")
+    u.add_argument("--python", default=None, help="python on the nodes (default: the one running this)")
     u.add_argument("--no-check", action="store_true", help="skip the check transfers")
     u.add_argument("--json", action="store_true", help="print the state as JSON")
     e = sub.add_parser("exec", help="run a command inside a node (its network, PID, UTS and mount namespaces)")

@@ -20,13 +20,15 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 try:
     import psutil
 except ImportError:  # the system python3 scripts/testbed falls back to may lack it
-    raise SystemExit("scripts/testbed needs psutil: build .venv first (`make venv`), which it then uses") from None
+    raise SystemExit(f"scripts/testbed needs psutil, which {sys.executable} lacks: run it with TH_PYTHON set to "
+                     "the python `th` runs with (`th bench` does so itself), or build .venv (`make venv`)") from None
 
 from .fabric import Node
 from .net import NetError, sh

@@ -91,7 +91,7 @@ def bench_hub(as_json: bool = JsonOpt,
         fail(f"th bench hub: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))
     if not as_json:
-        from ..ui.status import render_bench_hub
+        from ..ui.benches import render_bench_hub
 
         render_bench_hub(err, result)
 
@@ -119,7 +119,7 @@ def _replay_hub(as_json: bool, endpoints: int, tensors: int, chunk_mb: int, wind
             profiler.dump_stats(profile)
     print(json.dumps(result, indent=None if as_json else 2))
     if not as_json:
-        from ..ui.status import render_bench_hub_replay
+        from ..ui.benches import render_bench_hub_replay
 
         render_bench_hub_replay(err, result)
 
@@ -149,6 +149,10 @@ def bench_p2p(as_json: bool = JsonOpt,
     except (RigError, RuntimeError, ValueError) as exc:
         fail(f"th bench p2p: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        from ..ui.benches import render_bench_p2p
+
+        render_bench_p2p(err, result)
 
 
 @bench.command("fanout")
@@ -164,7 +168,8 @@ def bench_fanout(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
                                                            "--testbed)"),
                  engine: str = EngineOpt,
                  testbed: bool = typer.Option(False, "--testbed", help="on a namespace testbed of max(N)+1 nodes "
-                                              "in 2 racks it builds and removes (root)"),
+                                              "in 2 racks it builds and removes (needs root and network namespaces: "
+                                              "ip, tc, unshare, nsenter)"),
                  node_gbps: Optional[float] = typer.Option(None, min=0.001, metavar="GBPS",
                                                            help="--testbed: node link rate, Gbit/s (default: "
                                                            "scripts/testbed's)"),
@@ -205,7 +210,11 @@ def bench_faults(as_json: bool = JsonOpt,
                  timeout: float = typer.Option(120.0, min=1, metavar="SECONDS",
                                                help="seconds before an operation counts as stuck")) -> None:
     """Kill sources, readers, the hub and an agent, stop a source, outlive a read, corrupt chunks, send bad tokens
-    and garbage mid-fetch (and cut a link, on a testbed where root can build one): one row per fault."""
+    and garbage mid-fetch (and cut a link, on a testbed where root can build one): one row per fault.
+
+    Every row runs on loopback as any user, except link_down: it needs root and network
+    namespaces (ip, tc, unshare, nsenter) to build a testbed, and is skipped, saying why,
+    where they are missing. The table's legend says what recovery s and slowdown mean."""
     _check_engine("faults", engine)
     from . import faults
     from .rig import RigError
@@ -221,16 +230,9 @@ def bench_faults(as_json: bool = JsonOpt,
         print(json.dumps({"rows": result["rows"], "ok": result["ok"],
                           **({"skipped": result["skipped"]} if result["skipped"] else {})}))
     else:
-        from rich.table import Table
+        from ..ui.benches import render_bench_faults
 
-        table = Table(title=f"th bench faults ({result['bytes'] / 2**20:.0f} MiB, {result['engine']})")
-        for col in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown", "detail"):
-            table.add_column(col, overflow="fold")
-        for row in result["rows"]:
-            table.add_row(*("yes" if v is True else "NO" if v is False else "-" if v is None else str(v)
-                            for v in (row[c] for c in ("fault", "ok", "lost_bytes", "recovery_s", "slowdown",
-                                                         "detail"))))
-        out.print(table)
+        render_bench_faults(out, result)
     if not result["ok"]:
         fail("th bench faults: " + "; ".join(f"{r['fault']}: {r['detail']}" for r in result["rows"] if not r["ok"]), 1)
 
@@ -248,7 +250,7 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
                                           help="the trainer's pace, seconds per step at least"),
              engine: str = EngineOpt, timeout: float = TimeoutOpt,
              testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
-                                          "removes (root)"),
+                                          "removes (needs root and network namespaces: ip, tc, unshare, nsenter)"),
              double_buffer: bool = typer.Option(True, "--double-buffer/--in-place",
                                                 help="ours: rollouts fetch the next version into a second copy "
                                                 "while generating, then swap (default), or in place like the "
@@ -336,9 +338,9 @@ def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
 
 def _show_bench(workload: str, result: dict, as_json: bool, plot: Optional[Path]) -> None:
     """JSON on stdout; without --json a table on stderr; with --plot a PNG
-    (``ui.status.render_bench_<workload>``, ``ui.plot.<workload>``)."""
+    (``ui.benches.render_bench_<workload>``, ``ui.plot.<workload>``)."""
+    from ..ui import benches as tables
     from ..ui import plot as charts
-    from ..ui import status as tables
 
     print(json.dumps(result, indent=None if as_json else 2))
     if not as_json:

@@ -14,11 +14,20 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "testbed"
+# scripts/testbed's logic, run by the interpreter that runs us (it needs psutil, which
+# ours has however `th` was installed; the script's own pick is the repo's .venv or python3).
+_KIT_MAIN = "import sys; sys.path.insert(0, sys.argv.pop(1)); from testbed_kit.main import main; sys.exit(main())"
+
+
+def kit(*args: str) -> list[str]:
+    """The argv of ``scripts/testbed ARGS…`` run by ``sys.executable``."""
+    return [sys.executable, "-c", _KIT_MAIN, str(SCRIPT.parent), *args]
 
 
 class TestbedError(RuntimeError):
@@ -43,11 +52,12 @@ def unavailable() -> str | None:
 
 def _script(*args: str, timeout: float) -> str:
     try:
-        done = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(kit(*args), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise TestbedError(f"scripts/testbed {' '.join(args)} did not finish within {timeout:.0f}s") from None
     if done.returncode != 0:
-        raise TestbedError(f"scripts/testbed {' '.join(args)} failed: {done.stderr.strip()[-1500:]}")
+        raise TestbedError(f"scripts/testbed {' '.join(args)} failed: "
+                           f"{(done.stderr.strip() or done.stdout.strip())[-1500:]}")
     return done.stdout
 
 
@@ -93,7 +103,7 @@ def testbed(nodes: int, *flags: str, timeout: float = 300, wait_s: float = 1800)
 def enter(node: str) -> list[str]:
     """The argv prefix that runs a command inside ``node``, in the caller's working
     directory: ``scripts/testbed exec``, which becomes ``nsenter``."""
-    return [str(SCRIPT), "exec", node, "--"]
+    return kit("exec", node, "--")
 
 
 def node_counters(state: dict, node: str) -> dict[str, int]:

@@ -21,6 +21,17 @@ of this process set: the first one decides).
   A per-GPU list gives this process its GPU's entry (``process_gpu``); a process whose
   GPU is not known (an agent, or CUDA not initialized yet) gets every entry joined,
   and UCX chooses among them.
+
+NIXL's and UCX's own log lines (``NIXL_ERR_REMOTE_DISCONNECT`` when a peer dies, ``UCX
+WARN ... not returned to mpool`` at exit after a fault) are theirs, not ours: we report
+every failure in our own words. Where they would land in a terminal (fd 2 is a tty: a
+user's script, a runner started by hand) ``log_environment`` turns them down to
+``UCX_LOG_LEVEL=error`` and ``NIXL_LOG_LEVEL=FATAL``; where fd 2 is a log file (agents,
+runners and hubs `th up` starts, `th bench`'s processes) they are left as they are, so
+the logs keep every line. ``TH_VERBOSE=1`` (``th -v`` sets it for what it starts) keeps
+them everywhere, and a ``UCX_LOG_LEVEL`` / ``NIXL_LOG_LEVEL`` of the user's always wins
+(NIXL takes TRACE, DEBUG, INFO, WARN, ERROR, FATAL; UCX fatal, error, warn, diag, info,
+debug, trace).
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from typing import Mapping, Optional
 CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 IB_SYSFS = Path("/sys/class/infiniband")
 NET_DEVICES_ENV = "TH_UCX_NET_DEVICES"
+VERBOSE_ENV = "TH_VERBOSE"
+QUIET_LEVELS = {"UCX_LOG_LEVEL": "error", "NIXL_LOG_LEVEL": "FATAL"}
 log = logging.getLogger("tensorhub.nixl")
 
 
@@ -109,6 +122,15 @@ def ucx_environment(environ: Mapping[str, str], *, ib_root: Optional[Path] = Non
     return out
 
 
+def log_environment(environ: Mapping[str, str], interactive: bool) -> dict[str, str]:
+    """The log levels to set before NIXL loads: ``QUIET_LEVELS`` (each unless the
+    process has it) when its stderr is a terminal (``interactive``) and ``TH_VERBOSE``
+    is unset or 0; nothing otherwise (see the module's docstring)."""
+    if not interactive or environ.get(VERBOSE_ENV, "").strip() not in ("", "0"):
+        return {}
+    return {k: v for k, v in QUIET_LEVELS.items() if k not in environ}
+
+
 def use_net_devices(value: Optional[str]) -> None:
     """What an agent or runner does with its ``--ucx-net-devices`` flag (`th` passes
     the node's ``ucx_net_devices``): keep it in this process's environment, where
@@ -117,14 +139,21 @@ def use_net_devices(value: Optional[str]) -> None:
         os.environ[NET_DEVICES_ENV] = value
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return os.isatty(2)  # fd 2, not sys.stderr: NIXL and UCX write to the descriptor
+    except OSError:
+        return False
+
+
 def load_nixl(device: Optional[int] = None) -> ModuleType:
     """NIXL's API module, with the UCX environment set (``device``: the CUDA device
     this process's tensors live on, when known: it picks the NIC of a per-GPU list)."""
     wanted = os.environ.get("TH_NIXL_MODULE")
     candidates = (f"{wanted.removesuffix('._api')}._api",) if wanted else CANDIDATES
-    chosen = ucx_environment(os.environ, device=device)
+    chosen = {**ucx_environment(os.environ, device=device), **log_environment(os.environ, _stderr_is_terminal())}
     if chosen:
-        log.info("UCX environment: %s", " ".join(f"{k}={v}" for k, v in chosen.items()))
+        log.info("UCX/NIXL environment: %s", " ".join(f"{k}={v}" for k, v in chosen.items()))
         os.environ.update(chosen)
     failures = []
     for name in candidates:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
-from rich.table import Table
 
 from ..hub import protocol as p
 from ..launch.state import ClusterState
 from .status import status_parts
+from .tables import Grid
 
 EVENTS_SHOWN = 8
 
@@ -34,9 +34,10 @@ class Watch:
             parts.append(events_table(status.events[-EVENTS_SHOWN:]))
         return Group(*parts)
 
-    def _endpoints(self, now: float, status: p.StatusReply | None) -> Table:
-        t = Table("endpoint", "node", "rack", "dc", "role", "alive", "holds", "fetching", "progress", "MB/s",
-                  "stall", title="endpoints", title_justify="left")
+    def _endpoints(self, now: float, status: p.StatusReply | None) -> Grid:
+        # (rack and dc are the nodes table's: left out here, the row reads at 80 columns)
+        t = Grid("endpoint", "role", "alive", "holds", "fetching", "progress", "MB/s", "stall", title="endpoints",
+                 names=("endpoint", "holds", "fetching"))
         if status is None:
             return t
         complete: dict[str, list[str]] = {}
@@ -58,19 +59,20 @@ class Watch:
                 t0, b0 = self._prev.get(key, (now, held))
                 self._prev[key] = (now, held)
                 fetching = f"{v.model}@{v.version}"
-                bar = ProgressBar(total=max(v.nbytes, 1), completed=held, width=20)
+                bar = ProgressBar(total=max(v.nbytes, 1), completed=held, width=10)
                 rate = f"{(held - b0) / max(now - t0, 1e-9) / 1e6:.0f}" if now > t0 else "-"
                 stall = f"{now - since:.1f}s"
-            t.add_row(e.name, e.node, e.rack or "-", e.dc or "-", e.role or e.kind, "yes" if e.alive else "[red]no[/]",
-                      ", ".join(complete.get(e.name, [])[-2:]) or "-", fetching, bar, rate, stall)
+            t.add_row(e.name, e.role or e.kind, "yes" if e.alive else "[red]no[/]",
+                      "\n".join(complete.get(e.name, [])[-2:]) or "-", fetching, bar, rate, stall)
         for key in [k for k in self._prev if k not in seen]:  # finished or gone: forget its history
             self._prev.pop(key, None)
             self._partial_since.pop(key, None)
         return t
 
 
-def events_table(events: list[p.Event]) -> Table:
-    t = Table("t", "event", "endpoint", "version", "message", title="last events", title_justify="left")
+def events_table(events: list[p.Event]) -> Grid:
+    t = Grid("t", "event", "endpoint", "version", "message", title="last events",
+             names=("event", "endpoint", "version"))
     for ev in events:
         t.add_row(f"{ev.t:.1f}s", ev.kind, ev.endpoint or "-", f"{ev.model}@{ev.version}" if ev.model else "-",
                   ev.message[:80])

@@ -338,7 +338,8 @@ def test_failover_of_a_dead_agent_says_what_was_lost_and_up_brings_the_node_back
 
         snapshots = _watch_snapshots(name)
         endpoints_table = snapshots.split("endpoints")[1].split("versions")[0]
-        assert "│ agent-node2 │ node2" in endpoints_table and "policy@1" in endpoints_table, snapshots
+        assert any(ln.startswith("agent-node2 ") for ln in endpoints_table.splitlines()), snapshots
+        assert "policy@1" in endpoints_table, snapshots
 
         back = th("up", str(local_spec), check=True)
         assert "restarted agent@node1 (pid" in back.stdout, back.stdout
@@ -346,7 +347,7 @@ def test_failover_of_a_dead_agent_says_what_was_lost_and_up_brings_the_node_back
         assert [r.node for r in after if r.role == "agent"][-1] == "node1"  # recorded last ...
         table = th("status", "-c", name).stdout
         rows = [ln for ln in table.splitlines() if "rack1" in ln]
-        assert [r.split("│")[1].strip() for r in rows] == ["node1", "node2", "node3"], table  # ... shown first
+        assert [r.split()[0] for r in rows] == ["node1", "node2", "node3"], table  # ... shown first
         assert "out of service" not in table
         doc = status_json(name)
         assert agents_alive(doc) == {"node1": True, "node2": True, "node3": True} and doc["out_of_service"] == []

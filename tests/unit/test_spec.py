@@ -244,3 +244,60 @@ def test_ucx_net_devices_per_node_or_per_gpu(tmp_path):
     assert s.node("node3").spec.ucx_net_devices is None
     schema = json.loads(runner.invoke(app, ["spec", "schema"]).output)
     assert "one entry per GPU" in schema["$defs"]["NodeSpec"]["properties"]["ucx_net_devices"]["description"]
+
+
+MANY_PROBLEMS = """\
+name: demo
+launcher: local
+hub: {node: node9, port: 7700}
+topology:
+  datacenters:
+    - name: dc1
+      racks:
+        - name: rack1
+          nodes:
+            - {name: node1, address: 127.0.0.11, gpus: -1}
+            - {name: node2, address: 10.0.0.2}
+            - {name: node3, address: 127.0.0.13}
+roles:
+  trainer:
+    count: 1
+    on: [node1]
+  rollout:
+    count: 3
+    group_size: 2
+    select: {nodes: [node1, node7]}
+models:
+  - {name: policy, chunk_mb: -1}
+"""
+
+
+def test_every_problem_of_a_spec_at_once_boolean_keys_fields_and_cross_checks(tmp_path):
+    """An `on:` key, bad fields and cross-field problems: all in one run, in line order
+    (issue 31: they used to appear one fix at a time: `on:`, then the fields, then the rest)."""
+    result = check(tmp_path, MANY_PROBLEMS)
+    assert result.exit_code == 2
+    node = "topology.datacenters[0].racks[0].nodes"
+    assert result.output.splitlines() == [
+        "hub.node: unknown node 'node9' (line 3)",
+        f"{node}[0].gpus: Input should be greater than or equal to 0 (line 10)",
+        # node1 (bad) was set aside for the cross-checks: node2 keeps its own index
+        f"{node}[1].address: launcher 'local' needs a loopback IP (127.x.y.z), got '10.0.0.2' (line 11)",
+        "roles.trainer.on: YAML 1.1 reads `on` as true; a role picks its nodes with "
+        "`select: {nodes: [...], labels: {...}}` (line 16)",
+        "roles.rollout.group_size: group_size 2 does not divide count 3 (line 19)",
+        # not "selects no node": it selects node1, which was only set aside
+        "roles.rollout.select.nodes[1]: unknown node 'node7' (line 20)",
+        "models[0].chunk_mb: Input should be greater than 0 (line 22)",
+    ], result.output
+
+
+def test_a_bad_part_the_cross_checks_need_leaves_them_for_the_next_run(tmp_path):
+    # hub itself is bad (expiry under two beats): the cross-checks cannot run without it,
+    # and nothing they would say is invented meanwhile.
+    text = MANY_PROBLEMS.replace("hub: {node: node9, port: 7700}", "hub: {node: node9, heartbeat_s: 5, expiry_s: 1}")
+    result = check(tmp_path, text)
+    assert result.exit_code == 2
+    assert "hub: expiry_s must be at least twice heartbeat_s" in result.output
+    assert "roles.trainer.on:" in result.output and "nodes[0].gpus:" in result.output
+    assert "unknown node" not in result.output

@@ -29,13 +29,25 @@ def shown(watch: Watch, now: float, reply: p.StatusReply) -> str:
     return console.export_text()
 
 
+def row_of(text: str, name: str) -> str:
+    """The lines of ``name``'s row (a cell of several names goes on over the next lines)."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+    block = [lines[i]]
+    for line in lines[i + 1:]:
+        if not line.startswith(" "):
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
 def test_a_fetch_shows_progress_rate_stall_and_events():
     watch = Watch()
     first = shown(watch, 10.0, snapshot(20_000_000, 5.0))
-    row = next(line for line in first.splitlines() if line.startswith("│ rollout-0"))
+    row = row_of(first, "rollout-0")
     assert "policy@1" in row and "policy@2" in row and "0.0s" in row  # holds v1, fetching v2, stall begins
     later = shown(watch, 12.0, snapshot(60_000_000, 7.0))
-    row = next(line for line in later.splitlines() if line.startswith("│ rollout-0"))
+    row = row_of(later, "rollout-0")
     assert " 20 " in row  # (60 - 20) MB over 2 s
     assert "2.0s" in row  # waiting for v2 since the first snapshot
     assert "ready" in later and "policy@2" in later.split("last events")[1]
@@ -47,6 +59,21 @@ def test_a_finished_fetch_is_forgotten():
     done = snapshot(100_000_000, 6.0)
     done.versions[1].holders[1].complete = True
     text = shown(watch, 11.0, done)
-    row = next(line for line in text.splitlines() if line.startswith("│ rollout-0"))
-    assert "policy@1, policy@2" in row and "1.0s" not in row  # holds it now; no stall shown
+    row = row_of(text, "rollout-0")
+    assert "policy@1" in row and "policy@2" in row and "1.0s" not in row  # holds it now; no stall shown
     assert not watch._prev and not watch._partial_since
+
+
+def test_the_watch_view_reads_at_80_columns():
+    from .test_cli_width import split_names
+
+    state = ClusterState(cluster="demo", launcher="local", hub_address="tcp://127.0.0.1:1",
+                         hub_node_address="127.0.0.1", metrics_port=None, heartbeat_s=0.5, expiry_s=3.0)
+    console = Console(record=True, width=80)
+    console.print(Watch().render(10.0, state, snapshot(20_000_000, 5.0), {}, {}))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert not split_names(text, ["rollout-0", "trainer", "policy@1", "policy@2"]), text
+    assert "rollout-0" in text.split("endpoints")[1], text  # not cut to "rol…"
+    row = row_of(text, "rollout-0")  # the endpoints row: its name, what it holds and fetches, whole
+    assert "policy@1" in row and "policy@2" in row and "0.0s" in row, text
