@@ -26,7 +26,10 @@ Protocol of ``load(model, named_tensors)``:
    ``TH_TOKEN_FILE`` (or ``TH_TOKEN``); ``TH_MODEL`` (required); ``TH_NAME``, the
    prefix of the endpoint's name ``PREFIX-HOST-PID`` (default ``sglang``: the TP ranks
    share the server's environment, the pid tells them apart); ``TH_GROUP`` (the
-   instance's ranks resolve ``latest`` together, contract 2; default none);
+   instance's ranks resolve ``latest`` together, contract 2: the endpoint resolves every
+   fetch with its group; default ``sglang-HOST-PPID``: SGLang starts every scheduler
+   (one per TP rank) from the server's process, so the ranks on one node share it;
+   a TP instance spanning nodes must set ``TH_GROUP``, one name per instance);
    ``TH_ENGINE`` (nixl or tcp); ``TH_FETCH_TIMEOUT_S`` (default 600);
    ``TH_DOUBLE_BUFFER`` (``1``: two staging sets, see 3; default ``0``). It is a spot
    endpoint (``reliable=False``): an inference server's copy does not count towards
@@ -99,8 +102,8 @@ def _connect():
     from ..api import connect
 
     name = f"{os.environ.get('TH_NAME') or 'sglang'}-{socket.gethostname()}-{os.getpid()}"
-    options = dict(name=name, role="rollout", reliable=False, group=os.environ.get("TH_GROUP") or None,
-                   engine=os.environ.get("TH_ENGINE") or None)
+    group = os.environ.get("TH_GROUP") or f"sglang-{socket.gethostname()}-{os.getppid()}"
+    options = dict(name=name, role="rollout", reliable=False, group=group, engine=os.environ.get("TH_ENGINE") or None)
     if os.environ.get("TH_CLUSTER"):
         return connect(cluster=os.environ["TH_CLUSTER"], node=_env("TH_NODE"), **options)
     hub = _env("TH_HUB")
@@ -153,7 +156,7 @@ def load(model, named_tensors) -> int:
             chosen["i"] = i
             return sets[i]
 
-        got = ep.fetch(model_name, version, into=target, group=ep.info.group, timeout=timeout)
+        got = ep.fetch(model_name, version, into=target, timeout=timeout)  # (`latest`: with the endpoint's group)
         if "i" in chosen:  # the set's old version was unpublished before the fetch
             for v in [v for v, i in held.items() if i == chosen["i"]]:
                 del held[v]

@@ -8,16 +8,32 @@ ranks ``is_master=`` (torch rank 0), and ``checkpoint_engine.engine_kwargs.tenso
 ``cluster`` (a ``th up`` cluster; ``node`` defaults to $TH_NODE, else the host name)
 or ``hub`` + ``token_file``; ``model`` ("policy"), ``engine`` ("nixl"/"tcp"),
 ``device`` ("cpu"; "cuda" is the worker's current GPU), ``host`` (hub mode: the address
-we serve from, default $TH_HOST or 127.0.0.1), ``name``, ``group``, ``reliable``,
-``chunk_bytes``, ``double_buffer`` (rollout side, default false: see
-``receive_weights``; the trainer always double-buffers), and the seconds
+we serve from, default $TH_HOST or 127.0.0.1), ``name``, ``group`` (rollout side: see
+Groups), ``reliable``, ``chunk_bytes``, ``double_buffer`` (rollout side, default false:
+see ``receive_weights``; the trainer always double-buffers), and the seconds
 ``publish_timeout_s`` (60), ``drain_timeout_s`` (120), ``receive_timeout_s`` (600). A
 bad option raises ``BadArgument`` naming it at construction; the hub is joined at the
 first send or receive.
 
+Versions. verl's step s is TensorHub version **s + 1** (on both sides): a PPO run's
+first sync is ``update_weights(global_steps=0)`` (the weights it starts from, before
+step 1), and TensorHub versions start at 1. A run resumed at step k syncs k (version
+k + 1) and goes on from k + 1, so versions only increase within a run and stay >= 1;
+``global_steps=None`` means one above our newest (sender) or ``latest`` (receiver).
+
+Groups (contract 2). The rollout workers of one replica (its TP/PP ranks, one
+``CheckpointEngineWorker`` each) connect with one TensorHub group, so a ``latest``
+they resolve is one version for all of them (the endpoint resolves every fetch with
+its group). ``group`` names it; by default it is the replica's verl worker group:
+``verl-<Ray job id>-<$WG_PREFIX>`` (verl gives each standalone or colocated replica's
+workers their own prefix, ``rollout_standalone_<replica>``; a hybrid engine's workers
+share one, which makes one group of the whole run: coarser, still one version).
+Outside a verl worker ($WG_PREFIX unset) there is no default group. The trainer joins
+no group: it publishes, and a member that never fetches would hold rounds open.
+
 - ``send_weights(weights, global_steps)`` (trainer): the master rank copies the
   (name, tensor) stream into one of TWO buffer sets and publishes it as version
-  ``global_steps`` (None: one above our last). The sets alternate: version v stays
+  ``global_steps + 1`` (None: one above our last). The sets alternate: version v stays
   published (readable) while v+1 is written into the other set; before a set is
   written, the version it held is unpublished, which returns once no read of it is in
   flight (contract 3). So the trainer holds at most two versions, and 2x the model in
@@ -26,7 +42,8 @@ first send or receive.
   training between, e.g. after validation) is compared, not republished: different
   bytes raise ``EndpointError``. A lower step raises ``BadArgument``. Returns the
   metrics dict verl merges into the trainer's (``checkpoint_engine/*``).
-- ``receive_weights(global_steps)`` (rollout): fetches that version (None: ``latest``),
+- ``receive_weights(global_steps)`` (rollout): fetches version ``global_steps + 1``
+  (None: ``latest``, resolved with the endpoint's group: see Groups above),
   waiting up to ``receive_timeout_s`` (then ``VersionTimeout``), into a staging set
   kept across steps, then yields (name, tensor) views of it. Those tensors are now
   published (this rollout serves them to others): the consumer copies them and must
@@ -182,7 +199,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         version = self._version(global_steps, newest.version)
         started = time.monotonic()
         if version == newest.version:
-            await self._compare(weights, newest.tensors, version)
+            await self._compare(weights, newest.tensors, version, global_steps)
             self.last_send = {"checkpoint_engine/version": float(version), "checkpoint_engine/resent": 1.0}
             return dict(self.last_send)
         target = self._sets[self._next]
@@ -215,14 +232,14 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         return dict(self.last_send)
 
     def _version(self, global_steps: object, newest: Optional[int]) -> int:
+        """The version step ``global_steps`` publishes as (see Versions in the module)."""
         if global_steps is None:
-            return 0 if newest is None else newest + 1
-        if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
-            raise BadArgument(f"global_steps takes an int >= 0 (the version to publish), not {global_steps!r}")
-        if newest is not None and global_steps < newest:
-            raise BadArgument(f"global_steps={global_steps} is below step {newest}, already published as "
+            return 1 if newest is None else newest + 1
+        version = step_version(global_steps)
+        if newest is not None and version < newest:
+            raise BadArgument(f"global_steps={global_steps} is below step {newest - 1}, already published as "
                               f"{self.model}@{newest}: versions only increase")
-        return global_steps
+        return version
 
     async def _fill(self, weights, target: _Set) -> int:
         """Copy the stream into ``target``, reusing a buffer where name, shape and dtype
@@ -243,7 +260,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
             raise BadArgument(f"weights for {self.model}: " + ("; ".join(problems) or "the stream was empty"))
         return nbytes
 
-    async def _compare(self, weights, held: dict, version: int) -> None:
+    async def _compare(self, weights, held: dict, version: int, step: Optional[int]) -> None:
         seen, differ = set(), []
         async for name, tensor in ensure_async_iterator(weights):
             seen.add(name)
@@ -253,7 +270,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                 differ.append(name)
         differ += sorted(set(held) - seen)
         if differ:
-            raise EndpointError(f"global_steps={version} was already published as {self.model}@{version} with "
+            raise EndpointError(f"global_steps={step} was already published as {self.model}@{version} with "
                                 f"other weights ({', '.join(map(repr, differ[:5]))}{' ...' if len(differ) > 5 else ''}): "
                                 "a version's bytes never change; send a higher step")
 
@@ -261,16 +278,14 @@ class TensorHubCheckpointEngine(CheckpointEngine):
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: Optional[int] = None):
-        if global_steps is not None and (isinstance(global_steps, bool) or not isinstance(global_steps, int)
-                                         or global_steps < 0):
-            raise BadArgument(f"global_steps takes an int >= 0 (the version to fetch) or None, not {global_steps!r}")
+        want = "latest" if global_steps is None else step_version(global_steps)
         ep = await self._endpoint("rollout")
-        want = "latest" if global_steps is None else global_steps
         chosen: dict = {}
         try:
+            # (`latest` resolves with the endpoint's group: see Groups in the module)
             version = await asyncio.to_thread(ep.fetch, self.model, want,
                                               into=lambda shards: self._destination(ep, shards, chosen),
-                                              timeout=self.timeouts["receive_timeout_s"], group=self._options["group"])
+                                              timeout=self.timeouts["receive_timeout_s"])
         except BaseException:
             if "i" in chosen:  # the fetch may have unpublished the set's version before failing
                 kept = {(h.model, h.version) for h in ep.holdings()}
@@ -318,7 +333,29 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         where = dict(self._where)
         if "hub" in where:
             where["token"] = Path(self._token_file).read_text().strip()
-        return connect(**where, name=name, role=f"verl-{role}", reliable=reliable, **self._options)
+        options = dict(self._options, group=None if role == "trainer" else (self._options["group"] or replica_group()))
+        return connect(**where, name=name, role=f"verl-{role}", reliable=reliable, **options)
+
+
+def step_version(global_steps: object) -> int:
+    """verl's step ``global_steps`` as a TensorHub version: one above it (step 0, a run's
+    first sync, is version 1; versions start at 1)."""
+    if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
+        raise BadArgument(f"global_steps takes an int >= 0 (verl's step; version = step + 1) or None, "
+                          f"not {global_steps!r}")
+    return global_steps + 1
+
+
+def replica_group() -> Optional[str]:
+    """The default group of a rollout worker: its verl worker group in this Ray job
+    (see Groups in the module), or None outside a verl worker."""
+    prefix = os.environ.get("WG_PREFIX")
+    if not prefix:
+        return None
+    import ray  # (verl's base module imports it: it is there)
+
+    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
+    return f"verl-{job or 'nojob'}-{prefix}"
 
 
 def _close(holder: list, drain_timeout: float) -> None:

@@ -9,7 +9,10 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
   (the node we run on: with a cluster, one of its spec's nodes, default this host's name;
   with a hub, default the endpoint's), ``"name"`` (default unique per engine and rank)
   and ``"engine"`` (``"nixl"``/``"tcp"``). Each worker connects its own endpoint; the workers
-  of one engine instance resolve ``latest`` together (one TensorHub group).
+  of one engine instance (its TP/PP ranks, per DP rank) connect with one TensorHub group,
+  ``vllm-<instance_id>-dp<N>``, and the endpoint resolves every fetch with its group, so
+  all of them load the same version of ``latest`` even when a newer one turns READY
+  between their fetches (contract 2).
 - ``update_weights({"version": V})`` (an int or ``"latest"``; optional ``"timeout"``
   seconds for the whole fetch, default 120, and ``"wait": False`` to fail at once on a
   version that is not READY): fetch and verify V into a fresh *staging* copy in HF names
@@ -196,7 +199,10 @@ def _engine_class():
                 raise RuntimeError(f"init_weight_transfer_engine: {self.endpoint.name} is already connected; "
                                    "shut the weight transfer engine down first")
             dp, rank = self._rank()
-            instance = self.vllm_config.instance_id or f"{os.getpid()}"
+            # instance_id is made once per engine and pickled to its workers; without one,
+            # the engine core is every local worker's parent (never our own pid: each
+            # worker would be a group of its own).
+            instance = self.vllm_config.instance_id or f"{socket.gethostname()}-{os.getppid()}"
             name = init_info.name or f"vllm-{socket.gethostname()}-{instance}-dp{dp}-r{rank}"
             if init_info.name and (self.parallel_config.world_size_across_dp > 1):
                 name = f"{init_info.name}-dp{dp}-r{rank}"  # one endpoint per worker, each named
@@ -228,6 +234,7 @@ def _engine_class():
                 made["tensors"] = tensors
                 return destination
 
+            # (no group=: the endpoint resolves `latest` with the group it was connected with)
             version = self.endpoint.fetch(self.model_name, update_info.version, into=into,
                                           timeout=update_info.timeout, wait=update_info.wait)
             fetched = dict(self.endpoint.last_fetch or {})

@@ -74,9 +74,12 @@ class Child:
         got = self.answer("start", timeout)
         assert got.get("ok") == "ready", f"{self.label} did not start: {got}\n" + "".join(self.log[-30:])
 
-    def call(self, op: str, timeout: float = CALL_S, **args) -> dict:
+    def send(self, op: str, **args) -> None:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
+
+    def call(self, op: str, timeout: float = CALL_S, **args) -> dict:
+        self.send(op, **args)
         return self.answer(op, timeout)
 
     def ok(self, op: str, **args):

@@ -9,9 +9,11 @@ gets the keywords verl's workers pass (trainer: ``is_master``, ``bucket_size``;
 rollout: ``bucket_size``). Weights are made from a seed, so both sides rebuild the
 exact bytes. Ops: ``send`` {step, seed[, gate]}: with ``gate`` the weight stream stops
 halfway, touches ``GATE.reached`` and waits (up to 60 s) for the file ``GATE``;
-``receive`` {step, seed}: the reply says whether the bytes equal the seed's, where the
-yielded tensors live (``ptrs``), and the fetch's ``bytes`` and ``from_publishers``;
-``exit``.
+``receive`` {step, seed}: ``step`` may be null (``latest``); the reply says whether the
+bytes equal the seed's, the version fetched, where the yielded tensors live (``ptrs``),
+the fetch's ``bytes`` and ``from_publishers``, and the endpoint's ``group``; ``exit``.
+A rollout started with ``$WG_PREFIX`` set is what verl makes of a rollout replica's
+worker (verl sets it per worker group).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def handle(engine, op: str, c: dict) -> dict:
             return {"error": str(exc), "type": type(exc).__name__}
         want = make(c["seed"])
         return {"names": list(got), "version": engine.last_receive["version"], "ptrs": ptrs,
+                "group": engine._ep[0].info.group,
                 "bytes": engine.last_receive["bytes"], "from_publishers": engine.last_receive["from_publishers"],
                 "equal": got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)}
     if op == "exit":

@@ -6,6 +6,7 @@ SGLang's models keep: ``load_weights(iterable of (hf_name, tensor))``."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -157,3 +158,45 @@ def test_a_bad_th_double_buffer_is_named(env, monkeypatch):
     monkeypatch.setenv("TH_DOUBLE_BUFFER", "two")
     with pytest.raises(BadArgument, match="TH_DOUBLE_BUFFER must be 1 or 0, not 'two'"):
         sglang.load(SGLangStyle(3), [])
+
+
+RANK = """
+import json, sys
+from tensorhub_cli.adapters import sglang
+from tests.unit.test_adapter_sglang import SGLangStyle, weights_equal
+model = SGLangStyle(9)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "exit":
+        break
+    got = sglang.load(model, [])
+    print(json.dumps({"version": got, "group": sglang._state["ep"].info.group,
+                      "equal": weights_equal(model.inner, SGLangStyle(cmd["seed"]).inner)}), flush=True)
+sglang.close(drain_timeout=0)
+"""
+
+
+def test_the_tp_ranks_of_one_server_load_one_version_of_latest_by_default(env):
+    """Two TP ranks as SGLang runs them: sibling processes (children of the server's
+    process) with the server's environment, no TH_GROUP. Rank 0 loads ``latest`` (v1),
+    v2 turns READY, rank 1 loads ``latest``: v1 as well (their default group), then the
+    next update moves both to v2."""
+    from tensorhub_cli.bench.rig import Driven
+
+    from ..conftest import REPO
+
+    hf.publish(env, "policy", 1, SGLangStyle(1).inner)
+    ranks = [Driven(f"sglang-tp{r}", ["-c", RANK], cwd=str(REPO), env={"TH_NAME": f"sglang-tp{r}"}) for r in (0, 1)]
+    try:
+        first = ranks[0].ask("load", seed=1, timeout=120)
+        hf.publish(env, "policy", 2, SGLangStyle(2).inner)
+        second = ranks[1].ask("load", seed=1, timeout=120)
+        assert [first["version"], second["version"]] == [1, 1], (first, second)
+        assert first["equal"] and second["equal"]
+        assert first["group"] == second["group"] == f"sglang-{socket.gethostname()}-{os.getpid()}"
+        again = [r.ask("load", seed=2, timeout=120) for r in ranks]
+        assert [a["version"] for a in again] == [2, 2] and all(a["equal"] for a in again), again
+    finally:
+        for r in ranks:
+            r.stop()
