@@ -2,7 +2,11 @@
 
 A round opens when a member of a group resolves ``latest`` and no round is open; it
 fixes the version every member resolving ``latest`` gets until the round ends. It ends
-when (a) every member holds a complete replica of the round's version, or (b) a member
+when (a) every member holds a complete replica of the round's version and the member
+asking resolved in the round already (it starts its next update; a member that has
+not taken the round's version yet gets it, even when it already holds it, or a
+no-op update by one member would end the round and a version landing next would
+split the group), or (b) a member
 that resolved in it is gone (expired or deregistered), or (c) ``timeout_s`` passed
 since it opened. Members are the endpoints registered with that group name, plus any
 endpoint that resolved in the round.
@@ -23,12 +27,12 @@ class Round:
 
 
 def round_over(rnd: Round, members: set[str], now: float, timeout_s: float,
-               registered: Callable[[str], bool], complete: Callable[[str], bool]) -> str | None:
-    """Why the round is over, or None while it is open."""
+               registered: Callable[[str], bool], complete: Callable[[str], bool], asking: str) -> str | None:
+    """Why the round is over for ``asking``'s resolve, or None while it is open."""
     if now - rnd.opened_at >= timeout_s:
         return "timeout"
     if any(not registered(m) for m in rnd.resolved):
         return "member gone"
-    if all(complete(m) for m in members | rnd.resolved):
+    if asking in rnd.resolved and all(complete(m) for m in members | rnd.resolved):
         return "all done"
     return None

@@ -109,8 +109,6 @@ def test_tp_workers_load_one_version_while_newer_ones_are_published_between_thei
     assert seen == [[v, v] for v in range(1, 5)]
 
 
-@pytest.mark.xfail(strict=True, reason="hub: a group round that opens on a version every member already holds "
-                   "is 'all done' at once, so the next member's latest opens a new round (hub/groups.round_over)")
 def test_tp_workers_stay_on_one_version_when_latest_is_already_loaded_and_a_newer_lands_between(world):
     v = world["latest"]
     assert [r["version"] for r in update_latest(world, publish_between=False)] == [v, v]

@@ -61,6 +61,23 @@ def test_group_round_pins_one_version_even_when_a_newer_turns_ready():
     assert (nxt.version, nxt.round) == (2, 2)
 
 
+def test_a_round_on_a_version_every_member_holds_still_gives_it_to_each_member():
+    """Members holding ``latest`` already: a's update is a no-op on v1, v2 turns READY,
+    then b asks. The round is not over for b (it has not taken v1 in it yet), so b
+    gets v1 too; a's next update opens the round of v2."""
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("a", node="n2", group="g"), info("b", node="n3", group="g"))
+    publish(hub, 0, "t", 1, manifest(2))
+    for name in ("a", "b"):
+        assert hub.resolve(0, p.Resolve(name=name, model="policy", group="g")).version == 1
+        fetch_all(hub, 0, name, "policy", 1)
+    assert hub.resolve(0, p.Resolve(name="a", model="policy", group="g")).version == 1
+    publish(hub, 0, "t", 2, manifest(2, salt=2))
+    assert hub.resolve(0, p.Resolve(name="b", model="policy", group="g")).version == 1, \
+        "a member's no-op update ended the round: the group split across versions"
+    assert hub.resolve(0, p.Resolve(name="a", model="policy", group="g")).version == 2
+
+
 def test_group_round_ends_when_a_member_expires_or_times_out():
     hub = new_hub()
     reg(hub, 0, info("t"), info("a", group="g"), info("b", group="g"))
