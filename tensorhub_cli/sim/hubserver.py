@@ -7,8 +7,12 @@ machine with the simulated time as ``now``, and ``reply(body)`` runs ``rtt_s / 2
 after the hub is done with it (``None``: no reply is awaited). ``beats(ops)`` sends one
 heartbeat period's heartbeats of many endpoints as one batch (fewer events; each is
 still a real call). ``body`` is the hub's reply, or ``protocol.Error`` for a
-refusal (``HubFault``), exactly as the service would send it. ``sweep()`` runs the
-service's periodic ``expire`` and ``settle`` on the same core, every ``sweep_s``.
+refusal (``HubFault``), exactly as the service would send it. The service's periodic
+``expire`` and ``settle`` (the sweep) run on the same core every ``sweep_s``.
+
+``expired`` lists every expiry (time, name); ``silence_max_s`` is the longest silence
+of an endpoint ``live`` called alive that any sweep saw (contract 6 needs it under
+``expiry_s``).
 
 Hub work has a cost: each call is timed with ``time.process_time`` (the CPU the real
 state machine and planner used in this process) and summed per operation kind in
@@ -37,10 +41,11 @@ _OPS = {
 
 class HubServer:
     def __init__(self, loop: Loop, hub: Hub, *, rtt_s: float, charge: bool, cpu_scale: float = 1.0,
-                 overhead_s: float = 0.0, sweep_s: float = 1.0):
+                 overhead_s: float = 0.0, sweep_s: float = 1.0, live: Callable[[str], bool] = lambda name: True):
         self.loop, self.hub = loop, hub
         self.rtt_s, self.charge, self.cpu_scale, self.overhead_s = rtt_s, charge, cpu_scale, overhead_s
         self.sweep_s = sweep_s
+        self.live = live
         self._queue: deque = deque()
         self._busy = False
         self.cpu: dict[str, float] = {}  # op kind -> process CPU seconds inside the real hub
@@ -48,6 +53,7 @@ class HubServer:
         self.busy_s = 0.0  # simulated seconds the hub core was occupied
         self.max_queue = 0
         self.expired: list[tuple[float, str]] = []
+        self.silence_max_s = 0.0
         self._sweeping = False
 
     # --- endpoints' requests ---------------------------------------------------------
@@ -66,6 +72,9 @@ class HubServer:
         self._busy = True
         now = self.loop.now
         kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else type(op).__name__.lower()
+        if op is None:  # (measured outside the hub's CPU)
+            seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
+            self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
         t0 = time.process_time()
         if op is None:
             body = None
