@@ -5,9 +5,9 @@ sleep in ``Hub.plan`` (the hub process is otherwise the real one), so the flood 
 no CPU on a shared machine.
 
 Why many flooding sockets: zmq's ROUTER takes one message from each peer in turn, so a
-beat waits for one op of every peer with a request queued. With 300 peers and 5 ms a
-plan a beat used to wait 1.5 s, three times the expiry, and the sweep (between batches
-of 256 ops) expired the endpoint."""
+beat waits for one op of every peer with a request queued. With 1,000 peers at 2 ms a
+plan a beat used to wait 2 s, four times the expiry, and the sweeps (between batches of
+256 ops, every 0.5 to 1 s) expired the endpoint."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from tensorhub_cli.hub.client import HubClient
 
 pytestmark = pytest.mark.integration
 
-PLAN_S = 0.005
-PEERS, EACH = 300, 4  # 1,200 plans: 6 s of hub work; one round of the peers: 1.5 s
+PLAN_S = 0.002
+PEERS, EACH = 1000, 3  # 3,000 plans: 6 s of hub work; one round of the peers: 2 s
 EXPIRY_S, BEAT_S = 0.5, 0.1
 
 # The real hub's entry point, with every Plan PLAN_S slower. HubProcess runs
@@ -56,6 +56,7 @@ def test_an_endpoint_that_beats_is_not_expired_by_a_long_queue_of_plans():
     hub = HubProcess(expiry_s=EXPIRY_S, prefix=[sys.executable, "-c", SLOW])
     hub.address = f"tcp://127.0.0.1:{free_port()}"  # (a prefix would mean the testbed's fixed port)
     ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 2 * PEERS)  # (1,023 by default)
     with hub:
         ep = connect(hub.address, hub.token, name="beating", engine="tcp", heartbeat_s=BEAT_S)
         flood = [HubClient(hub.address, hub.token, ctx=ctx) for _ in range(PEERS)]
