@@ -1,7 +1,8 @@
 """Silence is measured only while the hub listens: a gap of more than two sweep
 periods in which the service ran nothing is its own stall, excused from every
 endpoint's silence before an op or a sweep judges anyone; a busy hub, which listens
-all along, excuses nothing."""
+all along, excuses nothing, and answers heartbeats ahead of its queued ops (``take``)
+so that its queue never makes a beating endpoint look silent."""
 
 from __future__ import annotations
 
