@@ -14,6 +14,16 @@ sweeps means this process did not run (descheduled, paused, swapped): beats sent
 meanwhile are still queued behind it, in zmq or the kernel. The gap beyond one period
 is excused (``Hub.excuse``) before the next op or sweep judges anyone alive, so a
 stalled hub never expires, or plans around, endpoints that went on beating.
+
+Liveness is judged on a path a busy hub cannot starve. Each turn of the loop first
+takes every request off the socket (``take``): a heartbeat is answered there and then,
+every other op is queued (``backlog``) in arrival order and run by ``work`` for at most
+``SLICE_S`` (or ``BATCH`` ops) before the socket is read again; the sweep, too, takes
+what the socket holds before it judges anyone. So a beat waits for the rest of one
+slice at most, not for the plans queued ahead of it: a long queue of plans delays plans,
+never expires an endpoint that beats (contract 6; before, a ROUTER that takes one request
+per peer in turn made a beat wait for one op of every busy peer: seconds, at a thousand
+readers, and the sweep ran meanwhile).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import hmac
 import logging
 import threading
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -32,7 +43,9 @@ from .faults import Acked, HubFault, Send
 from .machine import Answered, Hub, withdraw_key
 
 log = logging.getLogger("tensorhub.hub")
-BATCH = 256  # requests answered per event-loop wake-up; bounds how long a sweep can wait
+BATCH = 256  # queued ops run per turn of the loop, at most
+SLICE_S = 0.02  # ... and for at most this long: then beats and the sweep are heard again
+INTAKE = 4096  # requests taken off the socket per turn, at most (the rest wait one turn)
 # Plain ints, and single-frame calls instead of send/recv_multipart: enum arithmetic and
 # pyzmq's multipart wrappers cost ~3 µs a message, a tenth of a cheap op's service time.
 _POLLIN, _NOBLOCK, _EVENTS = int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.EVENTS)
@@ -81,6 +94,8 @@ class HubService:
         self.idents: dict[str, bytes] = {}
         # deferred answers: (name, model, version) of an Unpublish, or a Withdraw's withdraw_key
         self.waiters: dict[tuple, list[tuple[bytes, int]]] = {}
+        # ops taken off the socket, not run yet (heartbeats never wait here)
+        self.backlog: deque[tuple[bytes, p.Request]] = deque()
 
     def _reply(self, rid: int, body: p.Body) -> bytes:
         if type(body) is p.Resolved:
@@ -108,11 +123,43 @@ class HubService:
             return self.hub.status(self.clock())
 
     def handle(self, ident: bytes, frames: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """One request → the frames to send now, as (identity, payload). Never raises."""
+        """One request run now, whatever it is → the frames to send, as (identity,
+        payload). Never raises."""
         with self.lock:
-            return self._handle(ident, frames)
+            req = self._admit(ident, frames)
+            return req if isinstance(req, list) else self._apply(ident, req)
 
-    def _handle(self, ident: bytes, frames: list[bytes]) -> list[tuple[bytes, bytes]]:
+    def take(self, ident: bytes, frames: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """One request off the socket: a heartbeat (or a refusal) is answered now, any
+        other op joins ``backlog`` for ``work``. Never raises."""
+        with self.lock:
+            req = self._admit(ident, frames)
+            if isinstance(req, list):  # refused
+                return req
+            if type(req.op) is p.Heartbeat:
+                return self._apply(ident, req)
+            self.backlog.append((ident, req))
+            return []
+
+    def work(self, send, slice_s: float = SLICE_S) -> int:
+        """Run queued ops in arrival order, sending each one's frames with ``send``,
+        until ``BATCH`` ran or ``slice_s`` (wall time) passed; → how many ran."""
+        backlog, lock = self.backlog, self.lock
+        deadline = time.perf_counter() + slice_s
+        n = 0
+        while backlog and n < BATCH:
+            ident, req = backlog.popleft()
+            with lock:
+                out = self._apply(ident, req)
+            send(out)
+            n += 1
+            if time.perf_counter() > deadline:
+                break
+        return n
+
+    def _admit(self, ident: bytes, frames: list[bytes]) -> p.Request | list[tuple[bytes, bytes]]:
+        """The request ``frames`` carry, or the frames of its refusal (malformed, too
+        large, another protocol version, a bad token)."""
         if len(frames) != 1:
             return [(ident, self._refuse(0, "malformed", f"expected 1 frame, got {len(frames)}"))]
         frame = frames[0]
@@ -126,6 +173,9 @@ class HubService:
             return [(ident, self._refuse(req.rid, "version", f"protocol v{req.v} not spoken here (v{p.PROTOCOL_VERSION})"))]
         if not hmac.compare_digest(req.token.encode(), self._token):
             return [(ident, self._refuse(req.rid, "auth", "bad cluster token"))]
+        return req
+
+    def _apply(self, ident: bytes, req: p.Request) -> list[tuple[bytes, bytes]]:
         now = self.clock()
         self._listening(now)
         try:
@@ -192,25 +242,28 @@ class HubService:
             return self.outbound()
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set. Requests are answered from a reader callback on the
-        socket's FD, not by a coroutine per request: each call answers every request zmq
-        already holds, up to ``BATCH``, with non-blocking calls, and reschedules itself
-        when more are left, so a busy hub pays for one wake-up per batch. The sweep is a
-        timer callback every ``sweep_s``; ops never overlap, as all run on this loop.
+        """Run until ``stop`` is set. Requests are taken from a reader callback on the
+        socket's FD, not by a coroutine per request: ``intake`` takes every request zmq
+        holds with non-blocking calls (``take``: beats answered, other ops queued), and
+        ``turn`` runs one slice of the queue (``work``), takes in again, and reschedules
+        itself while ops are left, so timers, signals and beats get in between slices and
+        a busy hub pays for one wake-up per slice. The sweep is a timer callback every
+        ``sweep_s`` that takes in first; ops never overlap, as all run on this loop.
 
-        zmq's FD is edge-triggered and only says "events may have changed", so a batch
+        zmq's FD is edge-triggered and only says "events may have changed", so an intake
         ends by reading ``zmq.EVENTS`` (which re-arms the FD) and goes on if it says
-        requests are waiting."""
+        requests are waiting; sends can consume the edge, so every turn ends with one."""
         loop = asyncio.get_running_loop()
         sock = self._sock
         fd = sock.getsockopt(zmq.FD)
         sweeper = None
+        turning = False  # a turn is scheduled
 
-        def drain() -> None:
-            for _ in range(BATCH):
+        def intake() -> None:
+            for _ in range(INTAKE):
                 try:
                     ident = sock.recv(_NOBLOCK)
-                except zmq.Again:  # (once a batch: cheaper than asking EVENTS per request)
+                except zmq.Again:  # (once an intake: cheaper than asking EVENTS per request)
                     if sock.getsockopt(_EVENTS) & _POLLIN:
                         continue
                     return
@@ -221,18 +274,38 @@ class HubService:
                 while frame.more:
                     frame = sock.recv(_NOBLOCK, copy=False)
                     frames.append(frame.bytes)
-                self._send(self.handle(ident, frames))
-            loop.call_soon(drain)  # a full batch: let timers and signals in, then go on
+                self._send(self.take(ident, frames))
+            kick()  # more than INTAKE waiting: the next turn takes the rest
+
+        def kick() -> None:
+            nonlocal turning
+            if not turning:
+                turning = True
+                loop.call_soon(turn)
+
+        def turn() -> None:
+            nonlocal turning
+            turning = False
+            self.work(self._send)
+            intake()
+            if self.backlog:
+                kick()
+
+        def readable() -> None:
+            intake()
+            if self.backlog and not turning:
+                turn()  # (now: a quiet hub answers a request in the callback that took it)
 
         def sweep() -> None:
             nonlocal sweeper
+            intake()  # beats already here count before anyone is judged silent
             self._send(self.sweep())
             sweeper = loop.call_later(self.sweep_s, sweep)
-            drain()  # sending may have consumed the FD's edge while requests wait
+            readable()  # sending may have consumed the FD's edge while requests wait
 
-        loop.add_reader(fd, drain)
+        loop.add_reader(fd, readable)
         sweeper = loop.call_later(self.sweep_s, sweep)
-        loop.call_soon(drain)  # requests that arrived before the reader was added
+        loop.call_soon(readable)  # requests that arrived before the reader was added
         try:
             await stop.wait()
         finally:

@@ -13,7 +13,7 @@ Modules, one concept each:
 events          the discrete-event loop (simulated time, ordered callbacks)
 network         links, flows, max-min fair rates (progressive filling), rate quantum
 topology        GPUs on nodes in racks in DCs: NICs, NVLink, rack uplinks, WAN
-hubserver       the real ``Hub`` on one simulated core: FIFO, round trip, CPU charged
+hubserver       the real ``Hub`` on one simulated core: FIFO, beats and sweeps ahead, CPU charged
 endpoint        a simulated endpoint and the reader loop of ``endpoint/fetch.py``
 world           one cluster: the above together; joins, failures (``kill``)
 scenario        phases: register, publish a version, fetch it

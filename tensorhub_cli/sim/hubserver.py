@@ -7,8 +7,15 @@ machine with the simulated time as ``now``, and ``reply(body)`` runs ``rtt_s / 2
 after the hub is done with it (``None``: no reply is awaited). ``beats(ops)`` sends one
 heartbeat period's heartbeats of many endpoints as one batch (fewer events; each is
 still a real call). ``body`` is the hub's reply, or ``protocol.Error`` for a
-refusal (``HubFault``), exactly as the service would send it. ``sweep()`` runs the
-service's periodic ``expire`` and ``settle`` on the same core, every ``sweep_s``.
+refusal (``HubFault``), exactly as the service would send it. The service's periodic
+``expire`` and ``settle`` (the sweep) run on the same core every ``sweep_s``.
+
+Liveness is never starved, as in the service: heartbeats and the sweep go ahead of the
+queued requests (served next, in their own order), where the service answers beats as
+it takes them off its socket and sweeps between slices of its queue. (The service may
+finish a slice, ``service.SLICE_S``, first: not modelled.) ``expired`` lists every
+expiry (time, name); ``silence_max_s`` is the longest silence of an endpoint ``live``
+called alive that any sweep saw (contract 6 needs it under ``expiry_s``).
 
 Hub work has a cost: each call is timed with ``time.process_time`` (the CPU the real
 state machine and planner used in this process) and summed per operation kind in
@@ -37,17 +44,20 @@ _OPS = {
 
 class HubServer:
     def __init__(self, loop: Loop, hub: Hub, *, rtt_s: float, charge: bool, cpu_scale: float = 1.0,
-                 overhead_s: float = 0.0, sweep_s: float = 1.0):
+                 overhead_s: float = 0.0, sweep_s: float = 1.0, live: Callable[[str], bool] = lambda name: True):
         self.loop, self.hub = loop, hub
         self.rtt_s, self.charge, self.cpu_scale, self.overhead_s = rtt_s, charge, cpu_scale, overhead_s
         self.sweep_s = sweep_s
+        self.live = live
         self._queue: deque = deque()
+        self._urgent: deque = deque()  # heartbeat batches and sweeps: ahead of the queue
         self._busy = False
         self.cpu: dict[str, float] = {}  # op kind -> process CPU seconds inside the real hub
         self.calls: dict[str, int] = {}
         self.busy_s = 0.0  # simulated seconds the hub core was occupied
         self.max_queue = 0
         self.expired: list[tuple[float, str]] = []
+        self.silence_max_s = 0.0
         self._sweeping = False
 
     # --- endpoints' requests ---------------------------------------------------------
@@ -61,11 +71,19 @@ class HubServer:
         if not self._busy:
             self._serve()
 
+    def _arrive_urgent(self, op: list | None) -> None:
+        self._urgent.append((op, None))
+        if not self._busy:
+            self._serve()
+
     def _serve(self) -> None:
-        op, reply = self._queue.popleft()
+        op, reply = (self._urgent or self._queue).popleft()
         self._busy = True
         now = self.loop.now
         kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else type(op).__name__.lower()
+        if op is None:  # (measured outside the hub's CPU)
+            seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
+            self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
         t0 = time.process_time()
         if op is None:
             body = None
@@ -97,12 +115,12 @@ class HubServer:
         """Heartbeats of many endpoints sent at once: one queue entry, each beat still a
         real ``Hub.heartbeat`` call (and a request's overhead) on the hub core."""
         if ops:
-            self.loop.after(self.rtt_s / 2, self._arrive, ops, None)
+            self.loop.after(self.rtt_s / 2, self._arrive_urgent, ops)
 
     def _served(self, body, reply: Callable | None) -> None:
         if reply is not None:
             self.loop.after(self.rtt_s / 2, reply, body)
-        if self._queue:
+        if self._urgent or self._queue:
             self._serve()
         else:
             self._busy = False
@@ -119,7 +137,7 @@ class HubServer:
     def _sweep(self) -> None:
         if not self._sweeping:
             return
-        self._arrive(None, None)
+        self._arrive_urgent(None)
         self.loop.after(self.sweep_s, self._sweep)
 
     @property

@@ -119,6 +119,8 @@ def _summary(world: World, fetches, t0: float, cpu: float) -> dict:
         "hub_calls": dict(sorted(world.hub.calls.items())),
         "hub_busy_s": world.hub.busy_s,
         "hub_max_queue": world.hub.max_queue,
+        "expired_alive": world.expired_alive(),
+        "silence_max_s": world.hub.silence_max_s,
         "bytes_by_level": _levels(world),
         "from_trainer_bytes": sum(f.from_publishers for f in fetches.values()),
         "bytes": sum(f.bytes for f in fetches.values()),

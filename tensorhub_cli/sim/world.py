@@ -51,7 +51,7 @@ class World:
                             default_policy=Policy(keep_latest=2, min_reliable_copies=0)), now=0.0)
         self.hub = HubServer(self.loop, hub, rtt_s=self.fetch_params.plan_rtt_s, charge=h.charge_cpu,
                              cpu_scale=h.cpu_scale, overhead_s=h.request_overhead_s if overhead_s is None
-                             else overhead_s, sweep_s=h.sweep_s)
+                             else overhead_s, sweep_s=h.sweep_s, live=lambda name: self.endpoints[name].alive)
         self.endpoints: dict[str, SimEndpoint] = {}
         self.publishers: set[str] = set()
         self.running = True
@@ -81,6 +81,11 @@ class World:
         self._beating = [ep for ep in self._beating if ep.alive]
         self.hub.beats([ep.heartbeat() for ep in self._beating])
         self.loop.after(self.params.hub.heartbeat_s, self._beat)
+
+    def expired_alive(self) -> int:
+        """Endpoints the hub expired while they were alive and beating (contract 6 wants
+        none: each loses its references and pins as if it had failed)."""
+        return sum(1 for _, name in self.hub.expired if self.endpoints[name].alive)
 
     def is_publisher(self, name: str) -> bool:
         return name in self.publishers

@@ -1,7 +1,8 @@
 """Silence is measured only while the hub listens: a gap of more than two sweep
 periods in which the service ran nothing is its own stall, excused from every
 endpoint's silence before an op or a sweep judges anyone; a busy hub, which listens
-all along, excuses nothing."""
+all along, excuses nothing, and answers heartbeats ahead of its queued ops (``take``)
+so that its queue never makes a beating endpoint look silent."""
 
 from __future__ import annotations
 
@@ -94,3 +95,40 @@ def test_on_time_sweeps_expire_the_silent_at_once(rig):
         sweep_at(clock, service, t)
     assert sweep_at(clock, service, t + SWEEP) == {"a"}
     assert "stalls" not in hub.counters
+
+
+def request(op, rid: int = 1) -> bytes:
+    return p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=rid, op=op))
+
+
+def test_beats_are_answered_ahead_of_queued_plans_so_a_long_queue_expires_nobody(rig, monkeypatch):
+    clock, hub, service = rig
+    plan = hub.plan
+
+    def slow(now, op):  # each plan takes 50 ms of the hub's time
+        clock.now += 0.05
+        return plan(now, op)
+
+    monkeypatch.setattr(hub, "plan", slow)
+    for rid in range(1, 201):  # 10 s of plans, twice the expiry, all queued at 0
+        assert service.take(b"reader", [request(p.Plan(name="b", model="m", version=1), rid)]) == []
+    beat_at = sweep_due = SWEEP
+    order = []
+    while service.backlog:
+        service.work(lambda out: order.extend(p.decode_reply(f).rid for _, f in out), slice_s=0)
+        if clock.now >= beat_at:  # a beats on time; b is silent all along
+            [(to, frame)] = service.take(b"a-beats", [request(p.Heartbeat(name="a"), 999)])
+            assert to == b"a-beats" and isinstance(p.decode_reply(frame).body, p.Ok)
+            beat_at += SWEEP
+        if clock.now >= sweep_due:
+            service.sweep()
+            sweep_due += SWEEP
+    assert order == list(range(1, 201))  # every other op keeps its order
+    assert set(hub.endpoints) == {"a"} and hub.counters["expiries"] == 1 and "stalls" not in hub.counters
+
+
+def test_a_refused_request_is_answered_at_once_and_never_queued(rig):
+    clock, hub, service = rig
+    bad = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="nope", rid=7, op=p.Status()))
+    [(_, frame)] = service.take(b"x", [bad])
+    assert p.decode_reply(frame).body.code == "auth" and not service.backlog
