@@ -18,8 +18,8 @@ Protocol of ``fetch(ep, model, version, into=..., ...)`` (the caller's thread):
    those the engine cannot confirm over become zombies, which keep their pins at the
    hub and own the replica's registration (fenced) until they end; the others are
    unpinned now; then the partial replica is withdrawn at the hub *with its drain*
-   (peers may be reading the chunks it served: their pins last up to their own read
-   timeout), within ``drain_timeout_s``, before it is dropped. The caller then gets
+   (peers may be reading the chunks it served), waited for while the hub answers our
+   heartbeats, within ``drain_timeout_s``, before it is dropped. The caller then gets
    ``FetchError`` and owns ``into`` again (its contents undefined).
 """
 
@@ -150,8 +150,28 @@ def abort(ep, job: Fetch, held: Held) -> None:
         ep._call(release, timeout=ep.call_timeout_s)
     except (HubError, HubUnreachable) as exc:
         log.warning("%s after a failed fetch: %s", type(release).__name__, exc)
-    try:  # peers may be reading the chunks we served: wait for their drain, as an unpublish does
-        ep._unpublish_at_hub(held.model, held.version, ep.drain_timeout_s)
-    except (HubError, HubUnreachable, EndpointError) as exc:
-        log.warning("withdrawing the partial replica after a failed fetch: %s", exc)
+    _withdraw(ep, held)
     ep._drop(held, registration="keep" if left else "release")
+
+
+def _withdraw(ep, held: Held) -> None:
+    """Unpublish the partial replica at the hub and wait for its drain: peers may be
+    reading chunks it served. The wait lasts while the hub answers our heartbeats (it
+    is draining, not gone), up to ``drain_timeout_s``; a hub that answers nothing is
+    not waited for past one ``call_timeout_s`` (a restarted hub pins nothing of a
+    replica no one re-registers, and a reader of memory we no longer serve fails, or
+    its checksum does)."""
+    op = p.Unpublish(name=ep.name, model=held.model, version=held.version, incarnation=ep.incarnation)
+    deadline = time.monotonic() + ep.drain_timeout_s
+    while True:
+        try:
+            ep._call(op, timeout=ep.call_timeout_s)
+            return
+        except HubUnreachable as exc:
+            if ep.service.last_error is not None or time.monotonic() >= deadline:
+                log.warning("%s: withdrawing the partial replica of %s@%s after a failed fetch: %s", ep.name,
+                            held.model, held.version, exc)
+                return
+        except (HubError, EndpointError) as exc:  # not_found, unknown_endpoint: nothing of ours to drain
+            log.debug("%s: withdrawing the partial replica of %s@%s: %s", ep.name, held.model, held.version, exc)
+            return

@@ -28,17 +28,22 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   device 0, which is what readers assumed before.
 
 Giving up a read. Over UCX, releasing a READ still in progress returns without
-error but does not stop the remote side from writing into our memory later (NIXL
-issue #1958: the handle is freed, the GET is not). So a transfer is over only when
-NIXL reports it final (``DONE`` or ``ERR``): ``release`` of a pending one frees
-nothing and answers False, and the caller keeps it (its memory fenced, its source
-pinned: contract 3) and asks again. A READ from a stalled holder ends when the holder
-resumes (``DONE``) or its connection fails (``ERR``), never before.
+error but does not stop it: the GET may still land in our memory later (NIXL issue
+#1958: the handle is freed, the request is not). So a transfer is over only when NIXL
+reports it final (``DONE`` or ``ERR``). ``release`` of a pending one stops it the way
+UCX does honour: it disconnects that holder's agent (``remove_remote_agent``: the UCX
+endpoint is closed, which cancels every request on it, and NIXL then reports each
+``ERR``), and frees the handle only once NIXL reports it final; until then it answers
+False, and the caller keeps the read (its memory fenced, its source pinned: contract
+3) and asks again. Every other read from that holder ends too (as failed: re-planned);
+the next read from it connects again (``add_peer``). Measured on one host (UCX over
+shared memory): a READ pending on a stalled holder is ``ERR`` at once after the
+disconnect, and nothing the holder wrote after resuming reached the reader.
 
-Closing: likewise ``close`` releases only transfers that reached a final state, for
-up to ``timeout`` (5 s), and drops the agent only once none is left; one that stays
-pending keeps the agent alive (a leak, logged, rather than memory written after its
-owner freed it).
+Closing: likewise ``close`` releases every transfer (stopping pending ones as above),
+for up to ``timeout`` (5 s), and drops the agent only once none is left; one that
+stays pending keeps the agent alive (a leak, logged, rather than memory written after
+its owner freed it).
 
 NIXL calls are serialized by one lock: the fetch loop, the service thread's progress
 and the peer server's ``describe`` run on different threads.
@@ -88,7 +93,7 @@ class NixlEngine(Engine):
         picks this process's NIC from a per-GPU ``ucx_net_devices``: ``nixl_shim``)."""
         nixl = load_nixl() if device is None else load_nixl(device)
         self._lock = threading.Lock()
-        self._posted: set = set()  # transfer handles not released yet
+        self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
         self._agent = nixl.nixl_agent(
             f"{name}.{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
@@ -147,7 +152,7 @@ class NixlEngine(Engine):
                 if self._agent.transfer(handle) == "ERR":
                     self._agent.release_xfer_handle(handle)
                     raise EngineError("NIXL refused to start the READ")
-                self._posted.add(handle)
+                self._posted[handle] = agent
                 return handle
         except EngineError:
             raise
@@ -163,23 +168,33 @@ class NixlEngine(Engine):
 
     def release(self, transfer: object) -> bool:
         """True only once NIXL reports ``transfer`` final and its handle is freed; a
-        pending one is left as it is (see the module: releasing would not stop it)."""
+        pending one is stopped by disconnecting its holder first (see the module)."""
         with self._lock:
             return self._release_final(transfer)
 
     def _release_final(self, transfer: object) -> bool:
         """(Under the lock.)"""
-        try:
-            if self._agent.check_xfer_state(transfer) == "PROC":
+        if self._pending(transfer):
+            agent = self._posted.get(transfer)
+            try:  # (the only stop UCX honours; a second disconnect of the same agent raises: harmless)
+                self._agent.remove_remote_agent(agent)
+                log.info("disconnected %s to stop a READ given up on", agent)
+            except Exception:
+                pass
+            if self._pending(transfer):
                 return False
-        except Exception:  # (an unknown handle is no transfer of ours in flight: free what can be)
-            pass
         try:
             self._agent.release_xfer_handle(transfer)
         except Exception:
             return False
-        self._posted.discard(transfer)
+        self._posted.pop(transfer, None)
         return True
+
+    def _pending(self, transfer: object) -> bool:
+        try:
+            return self._agent.check_xfer_state(transfer) == "PROC"
+        except Exception:  # (an unknown handle is no transfer of ours in flight: free what can be)
+            return False
 
     def progress(self) -> None:
         with self._lock:

@@ -64,3 +64,28 @@ def test_a_failed_fetch_drops_its_replica_only_after_the_hub_drained_it(monkeypa
         reader.fetch("m", 1, into={k: torch.zeros_like(v) for k, v in weights(1).items()}, timeout=5)
     assert dropped and ("drained", 1) in dropped[0], \
         "the partial replica was dropped before the hub acknowledged its drain (peers may still read it)"
+
+
+class SilentHub(Hub):
+    """Answers everything but the reader's Unpublish, which never gets an answer."""
+
+    def __call__(self, op, timeout):
+        if isinstance(op, p.Unpublish) and op.name == "reader":
+            time.sleep(timeout)
+            raise HubUnreachable(f"test: no answer within {timeout}s")
+        return super().__call__(op, timeout)
+
+
+def test_a_failed_fetch_does_not_wait_out_the_drain_bound_for_a_hub_that_answers_nothing(monkeypatch):
+    hub = SilentHub([])
+    pub = bare_endpoint(CountingEngine(), hub)
+    reader = bare_endpoint(CountingEngine(), hub)
+    reader.name, reader.call_timeout_s, reader.drain_timeout_s = "reader", 0.1, 30.0
+    reader.service.last_error = "test: the hub did not answer our last beat"
+    publish(pub, 1, weights(1))
+    monkeypatch.setattr(fetching, "Fetch", ServedThenFailed)
+    began = time.monotonic()
+    with pytest.raises(FetchError, match="failed after serving"):
+        reader.fetch("m", 1, into={k: torch.zeros_like(v) for k, v in weights(1).items()}, timeout=5)
+    assert time.monotonic() - began < 5, "a failed fetch waited out drain_timeout_s for a hub that is gone"
+    assert reader._held() == []

@@ -1,6 +1,7 @@
 """The NIXL engine's bookkeeping with a fake agent (no UCX) that behaves as UCX does
 when a READ in progress is released: the handle is freed without error, and the GET
-goes on writing (NIXL issue #1958). A transfer is over only once NIXL reports it final."""
+goes on (NIXL issue #1958). A transfer is over only once NIXL reports it final; a
+pending one is stopped by disconnecting its holder, which NIXL reports as ``ERR``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from tensorhub_cli.engines.base import Pair
 class FakeAgent:
     def __init__(self):
         self.states: dict[int, str] = {}  # handle -> "PROC" | "DONE" | "ERR"
+        self.agents: dict[int, str] = {}  # handle -> the remote agent it reads
         self.posted: set = set()  # handles not freed yet
+        self.disconnected: list[str] = []
+        self.disconnect_stops = True  # False: a disconnect that leaves the READ pending
         self.n = 0
 
     def get_xfer_descs(self, descs, mem_type):
@@ -25,6 +29,7 @@ class FakeAgent:
 
     def initialize_xfer(self, op, local, remote, agent):
         self.n += 1
+        self.agents[self.n] = agent
         return self.n
 
     def transfer(self, handle):
@@ -38,6 +43,13 @@ class FakeAgent:
     def release_xfer_handle(self, handle):
         self.posted.discard(handle)  # (UCX: no error, and a GET in progress is not stopped)
 
+    def remove_remote_agent(self, agent):
+        self.disconnected.append(agent)
+        if self.disconnect_stops:  # (UCX closes the endpoint: every request on it is cancelled)
+            for h, a in self.agents.items():
+                if a == agent and self.states.get(h) == "PROC":
+                    self.states[h] = "ERR"
+
 
 @pytest.fixture
 def engine(monkeypatch):
@@ -45,27 +57,36 @@ def engine(monkeypatch):
     fake = SimpleNamespace(nixl_agent=lambda name, config: agent, nixl_agent_config=lambda **kw: None)
     monkeypatch.setattr(nixl_engine, "load_nixl", lambda: fake)
     eng = nixl_engine.NixlEngine("t")
-    xfer = eng.read(nixl_engine.NixlPeer("remote", "DRAM", 0), [Pair(0x1000, 0x2000, 64)])
+    xfer = eng.read(nixl_engine.NixlPeer("holder", "DRAM", 0), [Pair(0x1000, 0x2000, 64)])
     return eng, agent, xfer
 
 
-def test_a_read_in_progress_is_never_counted_stopped(engine):
+def test_a_read_in_progress_is_stopped_by_disconnecting_its_holder_before_it_counts_as_over(engine):
     eng, agent, xfer = engine
-    assert eng.release(xfer) is False, "a pending READ was counted stopped: it may still write our memory"
+    assert eng.release(xfer) is True
+    assert agent.disconnected == ["holder"], "a pending READ was released without stopping it"
+    assert agent.states[xfer] == "ERR" and xfer not in agent.posted
+
+
+def test_a_read_nixl_still_reports_pending_is_never_counted_over(engine):
+    eng, agent, xfer = engine
+    agent.disconnect_stops = False
+    assert eng.release(xfer) is False, "a pending READ was counted over: it may still write our memory"
     assert xfer in agent.posted, "the handle of a READ still in progress was freed"
-    assert eng.state(xfer) == "pending"
+    agent.states[xfer] = "DONE"  # (the holder came back and the GET completed)
+    assert eng.release(xfer) is True and xfer not in agent.posted
 
 
 @pytest.mark.parametrize("final", ["DONE", "ERR"])
-def test_a_read_is_released_once_nixl_reports_it_final(engine, final):
+def test_a_finished_read_is_released_without_a_disconnect(engine, final):
     eng, agent, xfer = engine
-    assert not eng.release(xfer)
     agent.states[xfer] = final
-    assert eng.release(xfer) is True and xfer not in agent.posted
+    assert eng.release(xfer) is True and xfer not in agent.posted and agent.disconnected == []
 
 
 def test_close_waits_for_posted_transfers_to_end_before_dropping_the_agent(engine):
     eng, agent, xfer = engine
+    agent.disconnect_stops = False
     threading.Timer(0.1, agent.states.__setitem__, (xfer, "DONE")).start()
     eng.close(timeout=5)
     assert not agent.posted and eng._agent is None
@@ -73,6 +94,7 @@ def test_close_waits_for_posted_transfers_to_end_before_dropping_the_agent(engin
 
 def test_close_gives_up_after_its_timeout_and_keeps_the_agent(engine):
     eng, agent, xfer = engine
+    agent.disconnect_stops = False
     start = time.monotonic()
     eng.close(timeout=0.2)
     assert time.monotonic() - start < 2

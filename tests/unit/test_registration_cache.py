@@ -92,6 +92,7 @@ def bare_endpoint(engine: Engine, hub: Hub, cap: int | None = None) -> Endpoint:
     ep.info = p.EndpointInfo(name="e", node="n")  # a host tier: these tensors are host memory
     ep.read_timeout_s = ep.plan_timeout_s = ep.call_timeout_s = 5.0
     ep.drain_timeout_s = 5.0
+    ep.service = SimpleNamespace(last_error=None)  # (the hub answers our beats)
     ep._lock = threading.Lock()
     ep._replicas = {}
     ep._claims, ep._claiming = set(), threading.Condition()

@@ -60,10 +60,11 @@ Faults (in this order):
 - ``nixl_giveup`` (``data``): a NIXL read given up while its holder is stalled (its
   progress held up ``NIXL_STALL_S``; reader's read timeout ``NIXL_TIMEOUT_S``); the
   holder unpublishes and overwrites its tensors, then resumes. A given-up GET is not
-  stopped by releasing it (NIXL issue #1958), so its chunk must stay fenced and its
-  source pinned until NIXL reports it final; lost_bytes also counts what landed after
-  the fetch returned. Its three processes always run the nixl engine; where NIXL does
-  not load it is skipped (``skipped`` says so).
+  stopped by releasing it (NIXL issue #1958): the engine disconnects the holder and
+  counts the read over only once NIXL reports it final, its chunk fenced and its
+  source pinned until then; lost_bytes also counts what landed after the holder
+  resumed. Its three processes always run the nixl engine; where NIXL does not load
+  it is skipped (``skipped`` says so).
 - ``link_down`` (``link``, testbed only: root and network namespaces): ``ip link set
   down`` on the link of a source mid-read; its reads time out, the hub expires it,
   the fetch completes from the other holder.

@@ -65,13 +65,13 @@ def nixl_giveup(r: Run, stalled: Driven, other: Driven, reader: Driven, stall_s:
     ``stall_s``), never connected to ``stalled`` before (a connection needs the
     holder's progress to set up; once set up, shared-memory GETs on one host do not),
     fetches it while ``stalled`` serves nothing for ``stall_s`` (its progress held up;
-    its process and peer channel run). Its reads time out and are
-    given up; over UCX a given-up GET is not stopped by releasing it, so the reader
-    must not count it over (contract 3): its source stays pinned and its chunk is not
-    read again until NIXL reports it final. Meanwhile ``stalled`` unpublishes ``ng@1``
-    and overwrites its tensors the moment that returns. Once it resumed and any late
-    GET landed, the reader's destination is counted again: lost_bytes is the larger
-    count. recovery_s: how long that unpublish waited (for the pinned read)."""
+    its process and peer channel run). Its reads from ``stalled`` time out and are
+    given up: releasing a GET does not stop it over UCX, so the engine stops it by
+    disconnecting that holder and counts it over only once NIXL reports it final; its
+    source stays pinned until then (contract 3). Meanwhile ``stalled`` unpublishes
+    ``ng@1`` and overwrites its tensors the moment that returns. Once it resumed, the
+    reader's destination is counted again: lost_bytes is the larger count.
+    recovery_s: how long that unpublish waited."""
     r.publish(other, "ng", 1)
     base = r.unfaulted("nixl_giveup", reader, "ng", 1)  # (before ``stalled`` holds it: no connection to it yet)
     r.publish(stalled, "ng", 1)
@@ -81,15 +81,16 @@ def nixl_giveup(r: Run, stalled: Driven, other: Driven, reader: Driven, stall_s:
     stalled.send("unpublish", model="ng", version=1, timeout=r.timeout, overwrite=True)
     res = reader.recv(r.timeout + 30)
     gone = stalled.recv(r.timeout + 30)
-    time.sleep(0.5)  # (a late GET lands within milliseconds of the holder's next progress call)
+    time.sleep(max(0.0, until - time.monotonic()) + 0.5)  # (resumed: a late GET would land within milliseconds)
     later = reader.ask("recount", model="ng", version=1, mib=r.mib)["lost_bytes"]
     if gone.get("error"):
         return row("nixl_giveup", False, 0, None, None, f"{stalled.name}'s unpublish failed: {gone['error']}")
     if not res.get("error"):
         res = {**res, "lost_bytes": max(res["lost_bytes"], later)}
     given_up = res.get("stats", {}).get("failed", 0) > 0
-    drained = gone["t_done"] >= until  # contract 3: no sooner than the holder resumed, with a GET of it posted
-    extra = (f"{stalled.name} stalled {stall_s:.1f}s mid-fetch, then unpublished (waited {gone['s']:.2f}s, "
-             f"{'after' if drained else 'BEFORE'} it resumed) and overwrote its tensors; lost bytes counted again "
-             f"after: {later}" if given_up else f"no read from {stalled.name} was given up")
-    return fetch_row("nixl_giveup", res, base["s"], gone["s"], extra, need=given_up and drained)
+    extra = (f"{stalled.name} stalled {stall_s:.1f}s mid-fetch; the reader gave its reads from it up; "
+             f"{stalled.name} unpublished (waited {gone['s']:.2f}s, "
+             f"{'after' if gone['t_done'] >= until else 'before'} it resumed) and overwrote its tensors; "
+             f"lost bytes counted again once it resumed: {later}" if given_up
+             else f"no read from {stalled.name} was given up")
+    return fetch_row("nixl_giveup", res, base["s"], gone["s"], extra, need=given_up)
