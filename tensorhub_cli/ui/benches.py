@@ -15,7 +15,7 @@ FAULTS_LEGEND = (
     "published ones once its fetch returned (0 is the only good value).\n"
     "recovery s: the time the fault cost, as each row defines it (kill_source, link_down: completion time beyond "
     "what the rest of an unfaulted fetch takes, so near 0 is good and a small negative value is timing noise; "
-    "kill_hub, kill_agent: until the version is READY again; kill_reader, zombie_read: how long the source's "
+    "kill_hub, kill_agent: until the version is READY again; kill_reader, zombie_read, nixl_giveup: how long the source's "
     "unpublish waited; slow_heartbeat: until the hub heard the stopped source again).\n"
     "slowdown: the faulted operation's time ÷ the same operation without the fault, both in this run "
     "(1 = no cost; below 1 the fault sent the reader to a faster source, e.g. corrupt_chunk's clean holder is not "
