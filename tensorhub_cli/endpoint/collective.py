@@ -389,7 +389,7 @@ def _stage(me: Member, stage: str, work):
 
 def _give_up(me: Member) -> None:
     """A failed collective fetch leaves no replica this fetch registered (as
-    ``Endpoint._abort`` does for a plain one)."""
+    ``fetching.abort`` does for a plain one)."""
     if me.fresh and me.held is not None:
         job = me.job or Fetch(me.ep, me.held, me.comm.deadline, 1, read_timeout=1.0, plan_timeout=1.0,
                               describe_timeout=1.0)

@@ -108,7 +108,7 @@ class Endpoint:
         self._registrations = Registrations(self.engine, reg_cache_bytes)
         self._replicas: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
-        self._claims: set[tuple[str, int]] = set()  # versions a fetch is setting up (``_claim``)
+        self._claims: set[tuple[str, int]] = set()  # versions a fetch is setting up (``fetching.claim``)
         self._claiming = threading.Condition()
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
