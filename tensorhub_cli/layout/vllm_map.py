@@ -3,7 +3,7 @@
 Protocol. ``derive(model, tensors)`` (``tensors``: {HF name: (global shape, dtype name)},
 from a manifest or a checkpoint's headers) → an ``EngineMap``, or ``Unmapped`` naming
 each parameter class it could not map. Nothing is hand-written per architecture: the
-model's own ``load_weights`` is run once over stand-ins (stride-0 tensors, no bytes)
+model's own ``load_weights`` is run once over stand-ins (meta tensors: no bytes)
 with every parameter in its raw (loader) form, as vLLM's layerwise reload restores it
 (``record_metadata_for_reloading``'s metadata), and each call it makes into a
 parameter's weight loader is recorded: which HF tensor, which parameter, which shard
@@ -232,8 +232,13 @@ def _record(model, tensors: dict) -> tuple[list[_Call], dict, dict]:
                 def recorder(*args, _path=path, _name=name, _meta=meta, _orig=original, **kwargs):
                     bound = inspect.signature(_orig).bind(*args, **kwargs)
                     values = list(bound.arguments.values())
-                    loaded = values[1] if len(values) > 1 else None
-                    same = loaded is current["sent"]
+                    loaded, sent = (values[1] if len(values) > 1 else None), current["sent"]
+                    # The tensor given, or a view of it laid out as it (a dummy expert dim
+                    # added and taken off again): anything else was changed on the way.
+                    same = loaded is sent or (
+                        isinstance(loaded, torch.Tensor) and sent is not None and loaded._base is sent
+                        and loaded.shape == sent.shape and loaded.stride() == sent.stride()
+                        and loaded.storage_offset() == sent.storage_offset())
                     calls.append(_Call(current["hf"], _path, _name, _meta, _orig, bound, same))
                     return True
 
@@ -243,7 +248,7 @@ def _record(model, tensors: dict) -> tuple[list[_Call], dict, dict]:
 
         def stand_ins():
             for hf, (shape, dtype) in tensors.items():
-                t = torch.zeros((), dtype=getattr(torch, dtype)).expand(tuple(shape))
+                t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device="meta")  # (no bytes)
                 current["hf"], current["sent"] = hf, t
                 yield hf, t
             current["hf"], current["sent"] = None, None

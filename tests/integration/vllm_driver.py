@@ -65,7 +65,9 @@ def make_model(path, seed: int, arch: str = "llama") -> None:
     import torch
     import transformers as tf
 
-    make_tokenizer(path)
+    # (its own directory: with the model's config beside it, transformers would pick the
+    # architecture's tokenizer class over the word-level one)
+    make_tokenizer(os.path.join(path, "tokenizer"))
     vocab = len(WORDS) + 3
     common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -102,6 +104,12 @@ def make_tokenizer(path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>").save_pretrained(path)
+
+
+def tokenizer_of(directory) -> str:
+    """Where ``make_model`` put the tokenizer of the model in ``directory``."""
+    own = os.path.join(directory, "tokenizer")
+    return own if os.path.isdir(own) else str(directory)
 
 
 def check_slices(held: list, directory: str) -> list[str]:
@@ -209,8 +217,8 @@ def engine(args) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
         parallel = dict(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
-    llm = LLM(model=args.dir, dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "tensorhub"}, **parallel)
+    llm = LLM(model=args.dir, tokenizer=tokenizer_of(args.dir), dtype="float32", enforce_eager=True,
+              max_model_len=128, seed=0, weight_transfer_config={"backend": "tensorhub"}, **parallel)
 
     def metrics(worker):
         return dict(worker.weight_transfer_engine.metrics)
@@ -305,7 +313,8 @@ def exit_(args) -> None:
     from vllm import LLM, SamplingParams
 
     options = {"weight_transfer_config": {"backend": "tensorhub"}} if args.init else {}
-    llm = LLM(model=args.dir, dtype="float32", enforce_eager=True, max_model_len=128, seed=0, **options)
+    llm = LLM(model=args.dir, tokenizer=tokenizer_of(args.dir), dtype="float32", enforce_eager=True,
+              max_model_len=128, seed=0, **options)
     llm.generate(["w1 w2"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     if args.init:
         llm.init_weight_transfer_engine({"init_info": json.loads(args.init)})
