@@ -6,13 +6,23 @@ command; one vLLM engine with ``tensor_parallel_size=2`` (``vllm_driver engine -
 its engine core there, one worker process per rank, each rank a TensorHub endpoint of
 the group ``vllm-<instance>-dp0``). A gate in each rank (``vllm_driver``'s ``gate`` op)
 orders one update's two fetches: rank 0 fetches ``latest`` (v), the trainer publishes
-v+1, then rank 1 fetches ``latest``. Both must load v, with v's bytes. Versions
+v+1, then rank 1 fetches ``latest``. Both must load v, each rank holding exactly v's
+slices of its parameters (checked against v's checkpoint). Versions
 alternate between model B (odd) and model A (even): the engine starts from A on disk,
 so after an even round it must generate exactly A's tokens again (the model, not only
 the staging copies, holds the bytes, on both ranks). The tests run in file order.
 
 Before ``Endpoint.fetch`` resolved with the endpoint's own group (the adapter's fetch
-names none), rank 0 loaded v1 and rank 1 v2 in the first round.
+names none), rank 0 loaded v1 and rank 1 v2 in the first round. Now that each rank
+reads only its shard (which the hub never counts as a complete copy, so a group's
+round would stay open for ``round_timeout_s``), the ranks agree on the version at
+``start_weight_update`` over vLLM's own group; without that the second round loaded
+v1 again ("the TP ranks loaded [1, 1], not v2 both").
+
+The last test has the trainer publish as a real model's proportions would (16 KiB
+compaction threshold, 64 KiB chunks): each rank reads its shard (at most 1.05 x its
+bytes), before the pause, while the engine generates, and the adapter's pause stages
+sum to its pause.
 """
 
 from __future__ import annotations
