@@ -20,8 +20,8 @@ caller applies the previous shadow back).
 
 ``prepare(model, emap, shadow)`` (outside the pause, while the engine generates) runs
 the post-load step of ``process`` layers whose step only touches the layer it is given
-(``PREPARABLE``: vLLM's unquantized linear and embedding methods) on a stand-in of the
-layer; ``apply(..., prepared)`` then only copies its parameters into the kernel tensors
+(``PREPARABLE``: vLLM's unquantized linear and embedding methods, on CPU, where they
+pack weights for oneDNN; elsewhere they do nothing) on a stand-in of the layer; ``apply(..., prepared)`` then only copies its parameters into the kernel tensors
 and sets what the step made (a oneDNN handle on CPU) on the live layer.
 """
 
@@ -78,7 +78,11 @@ def prepare(model, emap, shadow: dict) -> dict:
     import torch
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
+    from vllm.platforms import current_platform
+
     out = {}
+    if not current_platform.is_cpu():
+        return out  # (elsewhere these steps do nothing: a stand-in would only cost a copy of the shard)
     with torch.no_grad():
         for path, lp in emap.layers.items():
             layer = model.get_submodule(path)

@@ -150,6 +150,9 @@ def test_tp_workers_read_their_own_shard_before_the_pause_while_the_engine_gener
         assert m["version"] == v and m["path"] == "shard" and m["fetch_in_pause"] is False, (rank, m)
         assert 0 < m["bytes"] <= 1.05 * m["shard_bytes"], f"rank {rank} read {m['bytes']} B for a {m['shard_bytes']} B shard"
         assert m["shard_bytes"] < 0.6 * whole, f"rank {rank}'s shard is {m['shard_bytes']} B of a {whole} B model"
+        # (vLLM's CPU post-load step, packing each linear layer for oneDNN, ran on
+        # stand-ins before the pause: none of it inside)
+        assert m["process_s"] == 0.0 and m["prepare_s"] > 0 and m["prepared_s"] > 0, m
         stages = sum(m[s] for s in ("take_s", "load_s", "between_s", "finish_s"))
         assert abs(stages - m["pause_s"]) <= 0.05 * m["pause_s"], m
     if source(before) == "A":  # (generated while the ranks read v: still the previous weights)
