@@ -102,6 +102,32 @@ def staging_for(shards: list) -> tuple[dict, dict]:
     return {name: whole(name, t) for name, t in tensors.items()}, tensors
 
 
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class QuietBufferOnly(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for the layer classes of ``model``
+    that hold buffers and no parameter (a rotary embedding's cos/sin cache): nothing in
+    a checkpoint loads them, so the warning is spurious on every reload. A class with a
+    parameter anywhere in the model keeps its warning."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        with_params, buffer_only = set(), set()
+        for module in model.modules():
+            name = type(module).__name__
+            if any(True for _ in module.parameters(recurse=False)):
+                with_params.add(name)
+            elif any(True for _ in module.buffers(recurse=False)):
+                buffer_only.add(name)
+        self.classes = buffer_only - with_params
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and record.args and record.args[0] in self.classes)
+
+
 def vlog() -> logging.Logger:
     """vLLM's own logger tree (``vllm.*``): what a vLLM user sees, formatted as vLLM's."""
     from vllm.logger import init_logger
@@ -370,7 +396,12 @@ def _engine_class():
             finally:
                 # Always: it puts every layer back on its device (kernel tensors where
                 # nothing loaded), so even a failed load leaves a runnable model.
-                finalize_layerwise_reload(self.model, self.model_config)
+                quiet = QuietBufferOnly(self.model)
+                logging.getLogger(LAYERWISE_LOGGER).addFilter(quiet)
+                try:
+                    finalize_layerwise_reload(self.model, self.model_config)
+                finally:
+                    logging.getLogger(LAYERWISE_LOGGER).removeFilter(quiet)
 
         def _recover(self, failed: int) -> str:
             """A load that failed may have written some layers: load the previous staging

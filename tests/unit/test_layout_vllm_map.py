@@ -73,3 +73,25 @@ def test_the_shadow_is_one_buffer_and_its_targets_name_the_boxes():
     assert emap.check({"w": ((8, 6), "float32"), "b": ((3,), "float32")}) == []
     problems = emap.check({"w": ((4, 6), "float32"), "x": ((1,), "float32")})
     assert len(problems) == 2 and problems[0].startswith("w:") and "b: missing" in problems[1], problems
+
+
+def test_the_whole_path_drops_vllms_failed_to_load_warning_only_for_buffer_only_layers():
+    # vLLM's layerwise reload warns "<Layer>: Failed to load weights" for a layer that
+    # loaded nothing; a rotary embedding holds only a computed cache: spurious there.
+    import logging
+
+    from tensorhub_cli.adapters.vllm import QuietBufferOnly
+
+    class RotaryEmbedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4), persistent=False)
+
+    model = torch.nn.Sequential(RotaryEmbedding(), torch.nn.Linear(2, 2))
+    quiet = QuietBufferOnly(model)
+
+    def record(cls):
+        return logging.LogRecord("x", logging.WARNING, "f", 1, QuietBufferOnly.MESSAGE, (cls,), None)
+
+    assert not quiet.filter(record("RotaryEmbedding"))
+    assert quiet.filter(record("Linear"))  # (a layer with parameters that loaded nothing: a real warning)
