@@ -6,8 +6,10 @@ with its own endpoint: one above the newest the hub holds (``next_version``; 1 o
 fresh cluster), so the example runs any number of times on one cluster (an older number
 would be refused ``stale``, one the hub holds ``conflict``: other bytes). Two vLLM
 engines started from ``MODEL_DIR`` with the ``"tensorhub"`` weight-transfer backend
-each load that version between generations: the first reads it from the trainer, the
-second from the first engine's staging copy (every reader becomes a holder). Public
+each load that version between generations: each worker reads only its shard into a
+shadow of its parameters (from ``start_weight_update`` on, while generation could go
+on), the first engine from the trainer, the second from the first engine's shadow
+(every reader becomes a holder). Public
 APIs only: ``tensorhub_cli.api.connect``, ``Endpoint.versions``, ``Endpoint.publish``,
 and vLLM's ``LLM`` weight-transfer calls.
 
@@ -81,7 +83,7 @@ def main() -> None:
         with torch.no_grad():  # stands in for a training step
             for p in trainer.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
-        # HF names: each engine's load_weights maps them onto vLLM's (fused) parameters.
+        # HF names: each engine's worker maps them onto its own (fused, sliced) parameters.
         version = next_version(trainer_ep, "policy")
         trainer_ep.publish("policy", version, {n: p.detach() for n, p in trainer.named_parameters()})
 
@@ -92,7 +94,7 @@ def main() -> None:
             print(f"engine {i}, version {version}:",
                   llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text)
 
-        for llm in engines:  # unpublish the engines' staging copies while the hub is reachable
+        for llm in engines:  # unpublish the engines' shadows while the hub is reachable
             llm.shutdown_weight_transfer_engine()
 
 

@@ -13,28 +13,49 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
   ``vllm-<instance_id>-dp<N>``, and the endpoint resolves every fetch with its group, so
   all of them load the same version of ``latest`` even when a newer one turns READY
   between their fetches (contract 2).
-- ``update_weights({"version": V})`` (an int or ``"latest"``; optional ``"timeout"``
-  seconds for the whole fetch, default 120, and ``"wait": False`` to fail at once on a
-  version that is not READY): fetch and verify V into a fresh *staging* copy in HF names
-  (allocated from the manifest), then load it with ``model.load_weights`` inside a
-  layerwise reload (vLLM's loader does the TP slicing and the q/k/v, gate/up fusion).
-  The staging copy stays published: it is the holder a second engine reads from. The
-  previous version's staging is unpublished only after the new one loaded, so a failed
-  update leaves the previous weights serving and the previous staging published; errors
-  raise (the orchestrator keeps inference paused). This is already the double-buffered
-  update (issue 20): v stays published, a holder for joiners, while v+1 is fetched into
-  its own staging; its unpublish comes after the load and returns once its readers
-  drained and any retention copy the hub asked for exists (contract 4). No option
-  needed: two staging copies at the peak of an update, one between updates.
-- ``start_weight_update`` / ``finish_weight_update``: the pause around the update;
-  ``metrics`` (last update) holds the fetch's stages from ``last_fetch`` plus ``load_s``
-  and ``pause_s``; finish logs it.
-- ``shutdown``: close the endpoint (which unpublishes the staging copy).
+- At init each worker derives the map from HF names to its own parameters from the
+  loaded model (``layout.vllm_map``: the model's ``load_weights`` recorded over
+  stand-ins, each parameter's weight loader replayed into probes), for the tensors of
+  the checkpoint the engine started from (its safetensors headers). Where it maps
+  (the *shard* path, ``vllm_shadow``):
 
-Why the layerwise reload runs inside ``receive_weights`` and not across start/finish as
-in vLLM's IPC engine: ``initialize_layerwise_reload`` moves the parameters to meta, and
-vLLM's worker never calls finish after a failed ``update_weights``; starting it only once
-the bytes are here and verified keeps a failed fetch from touching the model.
+  - ``start_weight_update`` starts a thread that fetches ``latest`` (with the group)
+    into a fresh *shadow* of this worker's raw parameters: it reads only the boxes
+    they hold (contract 9), while the engine goes on generating;
+  - ``update_weights({"version": V})`` (an int or ``"latest"``; ``"timeout"`` seconds,
+    default 120; ``"wait": False`` to fail at once on a version that is not READY)
+    takes that shadow when it is V (``latest``: the one the prefetch resolved), else
+    fetches V now (reported: ``fetch_in_pause``), and applies it: copied into the live
+    parameters in place, or, for a layer vLLM repacks or quantizes after loading, put
+    through that layer's own post-load step from a copy (``layout.vllm_apply``): on a
+    stand-in of the layer right after the read, outside the pause, where that step
+    touches only the layer (vLLM's unquantized linear and embedding methods: a oneDNN
+    handle on CPU), so the pause only swaps it in; in the pause otherwise (a fused
+    MoE). No ``load_weights``, no layerwise reload;
+  - ``finish_weight_update`` logs one INFO line through vLLM's logger and starts the
+    previous version's unpublish on a thread: its drain (and any retention copy) is
+    never inside a pause. The shadow stays published: a second engine reads from it.
+
+  A version whose tensors differ from the checkpoint's is refused before a byte moves.
+  Where the map cannot be derived (a loader that transposes or repacks on load, no
+  local checkpoint), the worker says so once and takes the *whole* path: the version
+  in HF names into a staging copy, loaded by ``model.load_weights`` inside vLLM's
+  layerwise reload (its loader slices and fuses), the staging copy kept published and
+  the previous one unpublished after the load.
+- ``metrics`` (last update): the fetch's stages (``last_fetch``), ``path``,
+  ``shard_bytes``, and the pause's stages: ``take_s`` (getting the shadow: ``wait_s``
+  for the read ahead, ``fetch_in_pause_s`` where it missed), ``load_s`` (the apply: ``copy_s`` + ``process_s`` +
+  ``prepared_s``; ``prepare_s`` was spent before the pause),
+  ``between_s`` (vLLM's own time between update_weights and finish), ``finish_s``,
+  summing to ``pause_s`` (update_weights' start to finish's end).
+- ``shutdown``: joins the adapter's threads (bounded) and closes the endpoint (which
+  unpublishes what it holds).
+
+Why the whole path's layerwise reload runs inside ``receive_weights`` and not across
+start/finish as in vLLM's IPC engine: ``initialize_layerwise_reload`` moves the
+parameters to meta, and vLLM's worker never calls finish after a failed
+``update_weights``; starting it only once the bytes are here and verified keeps a
+failed fetch from touching the model.
 
 Importing this module needs neither vLLM nor the endpoint stack: both are imported on use.
 """
@@ -45,89 +66,17 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from .vllm_info import FETCH_TIMEOUT_S, InitInfo, UpdateInfo
 
 log = logging.getLogger(__name__)
 
 BACKEND = "tensorhub"
-FETCH_TIMEOUT_S = 120.0
+__all__ = ["BACKEND", "InitInfo", "UpdateInfo", "register", "staging_for"]
 CLOSE_DRAIN_S = 30.0
 _FETCH_STAGES = ("resolve_s", "setup_s", "plan_wait_s", "transfer_s", "verify_s", "wall_s")
-
-
-def _fields(kind: str, given: Any, allowed: set[str]) -> dict:
-    if not isinstance(given, dict):
-        raise ValueError(f"{kind} must be a dict, not {type(given).__name__}")
-    unknown = sorted(set(given) - allowed)
-    if unknown:
-        raise ValueError(f"{kind}: unknown field(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
-    return given
-
-
-def _text(kind: str, field: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{kind}.{field} must be a non-empty str, not {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class InitInfo:
-    """Where the hub is (``cluster``, or ``hub`` + ``token_file``) and which model to load."""
-
-    model: str
-    cluster: Optional[str] = None
-    node: Optional[str] = None
-    hub: Optional[str] = None
-    token_file: Optional[str] = None
-    name: Optional[str] = None
-    engine: Optional[str] = None
-
-    @classmethod
-    def parse(cls, given: Any) -> "InitInfo":
-        d = _fields("init_info", given, {"model", "cluster", "node", "hub", "token_file", "name", "engine"})
-        if "model" not in d:
-            raise ValueError("init_info.model is required (the TensorHub model name, e.g. 'policy')")
-        for field, value in d.items():
-            _text("init_info", field, value)
-        if ("cluster" in d) == ("hub" in d):
-            raise ValueError("init_info needs exactly one of cluster=NAME or hub=ADDR (with token_file=PATH)")
-        if "hub" in d:
-            if "token_file" not in d:
-                raise ValueError("init_info.token_file is required with init_info.hub")
-            if not Path(d["token_file"]).is_file():
-                raise ValueError(f"init_info.token_file: no such file {d['token_file']!r}")
-        elif "token_file" in d:
-            raise ValueError("init_info.token_file goes with init_info.hub (a cluster knows its token)")
-        if d.get("engine", "nixl") not in ("nixl", "tcp"):
-            raise ValueError(f"init_info.engine must be 'nixl' or 'tcp', not {d['engine']!r}")
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class UpdateInfo:
-    """Which version to load, and how long to wait for it."""
-
-    version: int | str
-    timeout: float = FETCH_TIMEOUT_S
-    wait: bool = True
-
-    @classmethod
-    def parse(cls, given: Any) -> "UpdateInfo":
-        d = _fields("update_info", given, {"version", "timeout", "wait"})
-        if "version" not in d:
-            raise ValueError("update_info.version is required (an int, or 'latest')")
-        version = d["version"]
-        if not (version == "latest" or (isinstance(version, int) and not isinstance(version, bool) and version >= 0)):
-            raise ValueError(f"update_info.version must be an int >= 0 or 'latest', not {version!r}")
-        timeout = d.get("timeout", FETCH_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"update_info.timeout must be seconds > 0, not {timeout!r}")
-        wait = d.get("wait", True)
-        if not isinstance(wait, bool):
-            raise ValueError(f"update_info.wait must be a bool, not {wait!r}")
-        return cls(version, float(timeout), wait)
 
 
 def staging_for(shards: list) -> tuple[dict, dict]:
@@ -151,6 +100,99 @@ def staging_for(shards: list) -> tuple[dict, dict]:
                 shape = t.global_shape or t.shape
                 tensors[t.name] = torch.empty(tuple(shape), dtype=getattr(torch, t.dtype))
     return {name: whole(name, t) for name, t in tensors.items()}, tensors
+
+
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class QuietBufferOnly(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for the layer classes of ``model``
+    that hold buffers and no parameter (a rotary embedding's cos/sin cache): nothing in
+    a checkpoint loads them, so the warning is spurious on every reload. A class with a
+    parameter anywhere in the model keeps its warning."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        with_params, buffer_only = set(), set()
+        for module in model.modules():
+            name = type(module).__name__
+            if any(True for _ in module.parameters(recurse=False)):
+                with_params.add(name)
+            elif any(True for _ in module.buffers(recurse=False)):
+                buffer_only.add(name)
+        self.classes = buffer_only - with_params
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and record.args and record.args[0] in self.classes)
+
+
+def vlog() -> logging.Logger:
+    """vLLM's own logger tree (``vllm.*``): what a vLLM user sees, formatted as vLLM's."""
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.tensorhub")
+
+
+def summary(model: str, m: dict) -> str:
+    """The one line per update: version, bytes, where from, each stage, the pause."""
+    if not m:
+        return f"{model}: no update (it failed)"
+    stages = ("take_s", "wait_s", "fetch_in_pause_s", "copy_s", "process_s", "prepared_s", "load_s", "between_s",
+              "finish_s", "pause_s") if m.get("path") == "shard" \
+        else ("resolve_s", "setup_s", "plan_wait_s", "transfer_s", "verify_s", "load_s", "pause_s")
+    where = f"{m.get('reads', 0)} reads, {m.get('from_publishers', 0)} from publishers"
+    shard = f" of a {m['shard_bytes']} B shard" if "shard_bytes" in m else " (whole model)"
+    fetched = (" in the pause" if m.get("fetch_in_pause") else f" before the pause ({m.get('prefetch_s', 0.0):.3f}s)") \
+        if m.get("path") == "shard" else ""
+    return (f"loaded {model}@{m.get('version')}: read {m.get('bytes', 0)} B{shard}{fetched}, {where}; "
+            + ", ".join(f"{s}={m[s]:.3f}" for s in stages if isinstance(m.get(s), float)))
+
+
+def withdraw(endpoint, model: str, versions: set, deadline: float) -> None:
+    """Shutdown (vLLM calls it as the engine exits): unpublish our copies side by side,
+    all within ``deadline``, then close. A hub that does not answer at once gets no
+    drain: nothing can be acknowledged, and it drops our references when our beats
+    stop (contract 6); readers of ours then fail over to other holders."""
+    import threading
+
+    try:
+        endpoint.versions(model, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+    except Exception as exc:  # (HubUnreachable, or the hub knows no such model: no drain to wait for)
+        reachable = getattr(exc, "code", None) == "not_found"
+    else:
+        reachable = True
+    if reachable:
+        def one(version):
+            try:
+                endpoint.unpublish(model, version, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                log.warning("tensorhub: unpublish %s@%s at shutdown: %s", model, version, exc)
+
+        threads = [threading.Thread(target=one, args=(v,), daemon=True) for v in sorted(versions)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    endpoint.close(drain_timeout=min(2.0, max(0.0, deadline - time.monotonic())) if reachable else 0)
+
+
+def expose_metrics() -> None:
+    """The adapter's histograms (``endpoint.metrics``) also in prometheus_client's
+    default registry, the one vLLM's ``/metrics`` serves where the worker shares its
+    process (an in-process engine core); once per process."""
+    import prometheus_client
+
+    from ..endpoint.metrics import REGISTRY
+
+    class Ours:
+        def collect(self):
+            yield from REGISTRY.collect()
+
+    if not getattr(prometheus_client.REGISTRY, "_tensorhub", False):
+        prometheus_client.REGISTRY.register(Ours())
+        prometheus_client.REGISTRY._tensorhub = True
 
 
 def register() -> None:
@@ -181,6 +223,10 @@ def _engine_class():
             self._staging: dict[int, dict] = {}  # version -> {HF name: tensor}; published while kept
             self._paused_at: Optional[float] = None
             self.metrics: dict = {}
+            self._received_at: Optional[float] = None
+            self.shadows = None  # the sharded path (vllm_shadow), once its map is derived
+            self.classes: dict[str, str] = {}  # parameter class -> "copy" / "process" (the sharded path)
+            self.path_reason: Optional[str] = None  # why the whole-tensor path, where it is taken
 
         def parse_init_info(self, init_dict: dict) -> InitInfo:
             return InitInfo.parse(init_dict)
@@ -219,14 +265,92 @@ def _engine_class():
                 self.endpoint = connect(hub=init_info.hub, token=token, **options)
             self.model_name = init_info.model
             log.info("tensorhub: %s connected for model %s", self.endpoint.name, self.model_name)
+            expose_metrics()
+            self._derive()
+
+        def _derive(self) -> None:
+            """The sharded path's map, from the checkpoint the engine started from (its
+            safetensors headers: names, shapes, dtypes) and the loaded model; or the
+            whole-tensor path, said once, with why."""
+            from ..layout.vllm_map import Unmapped, checkpoint_tensors, derive
+            from .vllm_shadow import Shadows
+
+            self.path_reason = None
+            tensors = checkpoint_tensors(getattr(self.model_config, "model", None))
+            if tensors is None:
+                self.path_reason = "no local safetensors checkpoint to derive the map from"
+            else:
+                try:
+                    emap = derive(self.model, tensors)
+                except Unmapped as exc:
+                    self.path_reason = str(exc)
+                else:
+                    self.shadows = Shadows(self.endpoint, self.model_name, self.model, self.device, emap)
+                    self.classes = dict(emap.classes)
+                    vlog().info("tensorhub: %s reads its shard (%d bytes) into a shadow; per parameter class: %s",
+                                self.endpoint.name, emap.shard_bytes,
+                                ", ".join(f"{c}={m}" for c, m in sorted(emap.classes.items())))
+                    return
+            vlog().warning("tensorhub: %s falls back to whole tensors through load_weights (every worker reads "
+                           "the whole model): %s", self.endpoint.name, self.path_reason)
 
         def start_weight_update(self) -> None:
             self._paused_at = time.monotonic()
+            if self.shadows is not None:  # generation goes on while v+1 is read
+                version = self._agree_latest()
+                if version is not None:
+                    self.shadows.prefetch(version, FETCH_TIMEOUT_S)
+
+        def _agree_latest(self):
+            """The version every worker of this engine reads (contract 2): ``latest``
+            alone; with several, the newest READY one rank 0 sees, broadcast over vLLM's
+            own group (on the worker's thread: no collective beside the model's). Not
+            the hub's group round: a worker reading its shard never holds every chunk,
+            which is how the hub tells a round is done, so a round would stay open
+            (``round_timeout_s``) and ``latest`` stale. None: no READY version yet."""
+            pc = self.parallel_config
+            if pc.world_size == 1:
+                return "latest"
+            from vllm.distributed import get_tp_group, get_world_group
+
+            group = get_tp_group() if pc.pipeline_parallel_size == 1 else get_world_group()
+            number = None
+            if group.rank_in_group == 0:
+                try:
+                    ready = [v.version for v in self.endpoint.versions(self.model_name) if v.state == "READY"]
+                    number = max(ready) if ready else None
+                except Exception as exc:  # (the pause fetches what it is asked for)
+                    log.info("tensorhub: %s: no version to read ahead: %s", self.endpoint.name, exc)
+            return group.broadcast_object(number, src=0)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             if self.endpoint is None:
                 raise RuntimeError("update_weights before init_weight_transfer_engine: no TensorHub endpoint")
             self.metrics = {}  # a failed update leaves none (not the last one's)
+            if self.shadows is not None:
+                self._receive_shard(update_info)
+            else:
+                self._receive_whole(update_info)
+
+        def _receive_shard(self, update_info: UpdateInfo) -> None:
+            self._paused_at = started = time.monotonic()
+            got = self.shadows.take(update_info.version, update_info.timeout, update_info.wait)
+            taken = time.monotonic()
+            spent = self.shadows.swap(got["version"])
+            applied = time.monotonic()
+            stages = got["stages"]
+            self.metrics = {"version": got["version"], "path": "shard", **stages,
+                            "shard_bytes": self.shadows.emap.shard_bytes, "take_s": taken - started,
+                            "wait_s": got["wait_s"],
+                            "fetch_in_pause": got["in_pause"],
+                            "fetch_in_pause_s": taken - started - got["wait_s"] if got["in_pause"] else 0.0,
+                            "prefetch_s": got.get("prefetch_s", 0.0), "prepare_s": got.get("prepare_s", 0.0),
+                            "load_s": applied - taken, "copy_s": spent["copy"], "process_s": spent["process"],
+                            "prepared_s": spent["prepared"]}
+            self.loaded = got["version"]
+            self._received_at = applied  # (what follows counts as vLLM's: between_s)
+
+        def _receive_whole(self, update_info: UpdateInfo) -> None:
             made: dict = {}
 
             def into(shards):
@@ -272,7 +396,12 @@ def _engine_class():
             finally:
                 # Always: it puts every layer back on its device (kernel tensors where
                 # nothing loaded), so even a failed load leaves a runnable model.
-                finalize_layerwise_reload(self.model, self.model_config)
+                quiet = QuietBufferOnly(self.model)
+                logging.getLogger(LAYERWISE_LOGGER).addFilter(quiet)
+                try:
+                    finalize_layerwise_reload(self.model, self.model_config)
+                finally:
+                    logging.getLogger(LAYERWISE_LOGGER).removeFilter(quiet)
 
         def _recover(self, failed: int) -> str:
             """A load that failed may have written some layers: load the previous staging
@@ -296,21 +425,41 @@ def _engine_class():
                 log.warning("tensorhub: unpublish %s@%s: %s", self.model_name, version, exc)
 
         def finish_weight_update(self) -> None:
+            started = time.monotonic()
+            if self.shadows is not None:
+                self.shadows.retire()  # the previous version's unpublish: after the pause, off this thread
+            ended = time.monotonic()
+            received, self._received_at = self._received_at, None
+            if received is not None and self.metrics:
+                # (the pause's stages: ours, and what vLLM did between update_weights and here)
+                self.metrics["between_s"] = started - received
+                self.metrics["finish_s"] = ended - started
             if self._paused_at is not None:
-                self.metrics["pause_s"] = time.monotonic() - self._paused_at
+                self.metrics["pause_s"] = ended - self._paused_at
                 self._paused_at = None
-            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.metrics.items()}
-            log.info("tensorhub: loaded %s@%s: %s", self.model_name, self.metrics.get("version"), shown)
+            vlog().info("tensorhub: %s", summary(self.model_name, self.metrics))
             from ..endpoint import metrics as histograms  # (the fetch's own stages were observed by fetch)
 
             histograms.observe({k: v for k, v in self.metrics.items() if k in ("load_s", "pause_s")})
 
+        def held_slices(self) -> list:
+            """(HF name, box or None for the whole tensor, tensor) of what this worker
+            holds of the loaded version (tests compare it with the checkpoint)."""
+            if self.shadows is not None:
+                return self.shadows.slices()
+            return [(name, None, t) for name, t in self._staging.get(self.loaded, {}).items()]
+
         def shutdown(self) -> None:
             endpoint, self.endpoint = self.endpoint, None
+            shadows, self.shadows = self.shadows, None
+            deadline = time.monotonic() + CLOSE_DRAIN_S
+            versions = set(self._staging)
+            if shadows is not None:
+                versions |= shadows.close(CLOSE_DRAIN_S / 2)  # (its threads joined: what it still holds)
             self._staging.clear()
             self.loaded = None
             if endpoint is not None:
-                endpoint.close(drain_timeout=CLOSE_DRAIN_S)
+                withdraw(endpoint, self.model_name, versions, deadline)
 
     TensorHubWeightTransferEngine.__module__ = __name__
     TensorHubWeightTransferEngine.__qualname__ = "TensorHubWeightTransferEngine"

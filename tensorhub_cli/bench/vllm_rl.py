@@ -1,22 +1,32 @@
 """`th bench rl --workload vllm`: a real vLLM engine's weight update per version, ours
 against reloading the same version from disk, in one run.
 
-Processes (each stopped by its PID): a hub, a trainer (its own endpoint) and one vLLM
-engine (``LLM(..., weight_transfer_config={"backend": "tensorhub"})``, CPU, float32,
-eager, in-process engine core). Per version v, interleaved so drift hits both arms:
+Processes (each stopped by its PID): a hub, a trainer (its own endpoint) and two vLLM
+engines (``LLM(..., weight_transfer_config={"backend": "tensorhub"})``, CPU, float32,
+eager; with ``tp`` > 1 one worker process per rank, one core each). Per version v,
+interleaved so drift hits both arms:
 
 - the trainer makes v's weights (a seed per version), publishes them (``publish_s``)
   and saves them as safetensors in a directory of their own (``save_s``: the
   checkpoint a disk-reloading stack writes every step);
-- ours: ``start_weight_update`` → ``update_weights({"version": v})`` →
-  ``finish_weight_update`` (``update_s``, the engine's pause to resume, with the
-  adapter's per-stage split: resolve, setup, plan wait, transfer, verify, load);
+- ours, on the first engine: ``start_weight_update`` (each worker starts reading its
+  shard of v into a shadow), the engine generates meanwhile (``during_s``), the driver
+  waits for the reads, then the pause: ``update_weights({"version": v})`` +
+  ``finish_weight_update`` (``pause_s``, timed by the driver; the adapter's own
+  ``pause_s`` and its stages per worker in ``stages``);
 - baseline: ``reload_weights(weights_path=DIR_v)`` on the same engine (``reload_s``);
 - both arms then generate greedily from one prompt: the token ids must be equal (the
-  same version, by two routes), else the run fails.
+  same version, by two routes), else the run fails;
+- the second engine then takes v the same way: what its workers read from the
+  trainer (``from_publishers`` bytes) should be 0 (the first engine's workers hold v).
 
-The ratio is per version: (save + reload) / (publish + update), medians over versions
-(the first one also pays first-use costs on both sides and is reported, not dropped).
+Per version ``bytes`` (each worker of the first engine) against ``shard_bytes`` (what
+its parameters hold of the model). Top level: ``pause_ratio`` (median over versions of
+pause_s / reload_s), ``bytes_over_shard`` (the largest worker's bytes / its shard, any
+version), ``second_engine_from_trainer_bytes`` (summed over versions and workers),
+``stages_over_pause`` (per worker and version, the adapter's stages summed / its pause:
+the worst one), ``tp``. The first version also pays first-use costs on both sides and
+is reported, not dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from pathlib import Path
 from .rig import Driven, hub
 
 PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8"
+CHUNK_BYTES = 256 << 10
+SMALL_BYTES = 16 << 10
 WORDS = [f"w{i}" for i in range(250)]
 
 
@@ -60,45 +72,74 @@ def make_model(path: str | Path, cfg: dict, seed: int) -> None:
     LlamaForCausalLM(LlamaConfig(**cfg, torch_dtype="float32")).save_pretrained(path)
 
 
-def run(versions: int = 3, hidden: int = 512, layers: int = 4, engine: str = "tcp", timeout_s: float = 600) -> dict:
+def run(versions: int = 3, hidden: int = 512, layers: int = 4, engine: str = "tcp", timeout_s: float = 600,
+        tp: int = 1, second: bool = True) -> dict:
     if versions < 1:
         raise ValueError(f"versions: want at least 1, got {versions}")
+    if tp not in (1, 2, 4):
+        raise ValueError(f"tp: want 1, 2 or 4 (the model has 4 attention heads), got {tp}")
     cfg = config(hidden, layers)
     with tempfile.TemporaryDirectory(prefix="th-bench-vllm-") as tmp, hub() as (address, token):
         base = Path(tmp) / "v0"
         make_model(base, cfg, seed=0)
         token_file = Path(tmp) / "token"
         token_file.write_text(token)
-        common = ["--hub", address, "--token-file", str(token_file), "--engine", engine]
+        common = ["--hub", address, "--token-file", str(token_file), "--engine", engine, "--tp", str(tp)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         trainer = Driven("trainer", ["-m", "tensorhub_cli.bench.vllm_rl", "trainer", "--dir", str(base), *common])
-        llm = Driven("vllm", ["-m", "tensorhub_cli.bench.vllm_rl", "engine", "--dir", str(base), *common], env=env)
+        engines = [Driven(f"vllm{i}", ["-m", "tensorhub_cli.bench.vllm_rl", "engine", "--dir", str(base),
+                                        "--name", f"bench-e{i}", *common], env=env) for i in range(1 + second)]
         try:
-            trainer.hello  # noqa: B018 (started in parallel with the engine)
-            llm.ask("init", timeout=timeout_s)
+            trainer.hello  # noqa: B018 (started in parallel with the engines)
+            for llm in engines:  # (one at a time: their starts compete for the same cores)
+                llm.ask("init", timeout=timeout_s)
             rows = []
             for v in range(1, versions + 1):
                 made = trainer.ask("make", version=v, seed=v, dir=str(Path(tmp) / f"v{v}"), timeout=timeout_s)
-                ours = llm.ask("update", version=v, timeout=timeout_s)
-                ours_tokens = llm.ask("generate", timeout=timeout_s)["tokens"]
-                base_ = llm.ask("reload", dir=made["dir"], timeout=timeout_s)
-                base_tokens = llm.ask("generate", timeout=timeout_s)["tokens"]
+                ours = engines[0].ask("update", version=v, timeout=timeout_s)
+                ours_tokens = engines[0].ask("generate", timeout=timeout_s)["tokens"]
+                base_ = engines[0].ask("reload", dir=made["dir"], timeout=timeout_s)
+                base_tokens = engines[0].ask("generate", timeout=timeout_s)["tokens"]
                 if ours_tokens != base_tokens:
                     raise RuntimeError(f"version {v}: the engine generated {ours_tokens} after our update but "
                                        f"{base_tokens} after reloading the same version from disk")
-                rows.append({"version": v, "publish_s": made["publish_s"], "save_s": made["save_s"],
-                             "update_s": ours["wall_s"], "stages": ours["metrics"], "reload_s": base_["wall_s"],
-                             "ratio": (made["save_s"] + base_["wall_s"]) / (made["publish_s"] + ours["wall_s"]),
-                             "tokens": ours_tokens})
+                row = {"version": v, "publish_s": made["publish_s"], "save_s": made["save_s"],
+                       "pause_s": ours["pause_s"], "during_s": ours["during_s"], "reload_s": base_["wall_s"],
+                       "pause_over_reload": ours["pause_s"] / base_["wall_s"],
+                       "bytes": [m.get("bytes", 0) for m in ours["metrics"]],
+                       "shard_bytes": [m.get("shard_bytes") for m in ours["metrics"]],
+                       "stages": ours["metrics"], "tokens": ours_tokens}
+                if second:
+                    other = engines[1].ask("update", version=v, timeout=timeout_s)
+                    row["second_engine"] = {"pause_s": other["pause_s"],
+                                            "bytes": [m.get("bytes", 0) for m in other["metrics"]],
+                                            "from_trainer_bytes": [m.get("from_publishers", 0)
+                                                                   for m in other["metrics"]]}
+                rows.append(row)
         finally:
-            llm.stop()
+            for llm in engines:
+                llm.stop()
             trainer.stop()
-    nbytes = rows[0]["stages"].get("bytes", 0)
+    return summarize(rows, {"workload": "vllm", "engine": engine, "versions": versions, "tp": tp,
+                            "model": {**cfg, "dtype": "float32"}})
+
+
+def summarize(rows: list[dict], head: dict) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    return {"workload": "vllm", "engine": engine, "versions": versions, "model": {**cfg, "dtype": "float32"},
-            "bytes": nbytes, "rows": rows,
-            "ours_s": med("publish_s") + med("update_s"), "baseline_s": med("save_s") + med("reload_s"),
-            "update_s": med("update_s"), "reload_s": med("reload_s"), "ratio": med("ratio")}
+    over = [b / s for r in rows for b, s in zip(r["bytes"], r["shard_bytes"]) if s]
+    sums = []
+    for r in rows:
+        for m in r["stages"]:
+            if m.get("path") == "shard" and m.get("pause_s"):
+                parts = ("take_s", "load_s", "between_s", "finish_s")
+                sums.append(sum(m.get(k, 0.0) for k in parts) / m["pause_s"])
+    second = [sum(r["second_engine"]["from_trainer_bytes"]) for r in rows if "second_engine" in r]
+    return {**head, "rows": rows, "bytes": max(max(r["bytes"]) for r in rows),
+            "pause_s": med("pause_s"), "reload_s": med("reload_s"), "pause_ratio": med("pause_over_reload"),
+            "bytes_over_shard": max(over) if over else None,
+            "second_engine_from_trainer_bytes": sum(second) if second else None,
+            "stages_over_pause": max(sums, key=lambda x: abs(x - 1)) if sums else None,
+            "fetched_in_pause": sum(bool(m.get("fetch_in_pause")) for r in rows for m in r["stages"])}
 
 
 # --- the child processes --------------------------------------------------------------
@@ -137,7 +178,13 @@ def trainer(args, out) -> None:
 
     conf = LlamaConfig.from_pretrained(args.dir)
     token = Path(args.token_file).read_text().strip()
-    with connect(hub=args.hub, token=token, name="trainer", node="trainer-node", engine=args.engine) as ep:
+    # A real model's proportions at a small size: a 7B's projections are 32-64 MiB over
+    # 16 MiB chunks, with only norms below the 1 MiB compaction threshold; here 256 KiB
+    # chunks and a 16 KiB threshold, so a TP worker reads its rows' chunks and its
+    # columns' tiles as it would there (the defaults would pack this model's tensors
+    # into shared chunks, which every worker reads whole).
+    with connect(hub=args.hub, token=token, name="trainer", node="trainer-node", engine=args.engine,
+                 chunk_bytes=CHUNK_BYTES, small_bytes=SMALL_BYTES) as ep:
         held: list[int] = []
 
         def handle(op: str, cmd: dict) -> dict:
@@ -162,24 +209,43 @@ def trainer(args, out) -> None:
 def engine(args, out) -> None:
     from vllm import LLM, SamplingParams
 
+    parallel = {}
+    if args.tp > 1:
+        # vLLM's CPU workers bind OpenMP threads per NUMA node by default and refuse more
+        # ranks than nodes: one core each instead.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                              "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+        parallel = dict(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     llm = LLM(model=args.dir, dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "tensorhub"})
+              weight_transfer_config={"backend": "tensorhub"}, **parallel)
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
 
     def metrics(worker):
         return dict(worker.weight_transfer_engine.metrics)
 
+    def prefetched(worker):
+        shadows = worker.weight_transfer_engine.shadows
+        return shadows is None or shadows.prefetched()
+
     def handle(op: str, cmd: dict) -> dict:
         if op == "init":
             llm.init_weight_transfer_engine({"init_info": {"hub": args.hub, "token_file": args.token_file,
-                                                           "model": "policy", "engine": args.engine}})
+                                                           "model": "policy", "engine": args.engine,
+                                                           "name": args.name}})
             return {}
         if op == "update":
             started = time.monotonic()
-            llm.start_weight_update()
+            llm.start_weight_update()  # (each worker starts reading its shard)
+            llm.generate([PROMPT], greedy, use_tqdm=False)  # generation goes on meanwhile
+            deadline = time.monotonic() + 120
+            while not all(llm.collective_rpc(prefetched)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            paused = time.monotonic()
             llm.update_weights({"update_info": {"version": cmd["version"]}})
             llm.finish_weight_update(weight_version=str(cmd["version"]))
-            return {"wall_s": time.monotonic() - started, "metrics": llm.collective_rpc(metrics)[0]}
+            ended = time.monotonic()
+            return {"pause_s": ended - paused, "during_s": paused - started,
+                    "metrics": llm.collective_rpc(metrics)}
         if op == "reload":
             started = time.monotonic()
             llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["dir"]})
@@ -204,6 +270,8 @@ def main() -> None:
     parser.add_argument("--hub", required=True)
     parser.add_argument("--token-file", required=True)
     parser.add_argument("--engine", default="tcp")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--name", default="bench-engine")
     args = parser.parse_args()
     out = _protocol()
     (trainer if args.role == "trainer" else engine)(args, out)

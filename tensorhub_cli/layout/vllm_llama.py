@@ -1,5 +1,9 @@
 """A Llama's HF global tensors → vLLM's tensor-parallel parameters, as ``Target``s.
 
+A hand-written engine layout for benches and tests that run without vLLM
+(``th bench p2p``, the layout tests). The vLLM backend does not use it: it derives its
+map from the loaded model itself, whatever the architecture (``vllm_map``).
+
 Protocol. ``config``: a transformers ``LlamaConfig`` or anything with its fields
 (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
 num_hidden_layers, vocab_size, tie_word_embeddings; head_dim optional).

@@ -1,29 +1,39 @@
 """Processes for ``test_adapter_vllm``: a tiny Llama on disk, a trainer, a real vLLM engine.
 
-Protocol. ``make_model(dir, seed)`` (in the caller's process) writes a random tiny Llama
-(config, safetensors, a ``tokenizers`` tokenizer) that vLLM's CPU build runs.
+Protocol. ``make_model(dir, seed, arch)`` (in the caller's process) writes a random tiny
+model (config, safetensors, a ``tokenizers`` tokenizer) that vLLM's CPU build runs.
 ``python -m tests.integration.vllm_driver trainer|engine ARGS`` is a child that reads one
 JSON command per stdin line and answers each with one stdout line ``@th <json>``
 (``{"ok": ...}`` or ``{"error": "Type: message"}``); every other stdout line is a log.
 It answers ``{"ok": "ready"}`` once started; ``{"op": "quit"}`` (or stdin closing) makes
 it close its endpoint and exit.
 
-- trainer ``--hub ADDR --token-file PATH --dir MODEL_DIR [--version V] [--node N]``: its own
+- trainer ``--hub ADDR --token-file PATH --dir MODEL_DIR [--version V] [--node N]
+  [--small-bytes B] [--chunk-bytes B]``: its own
   endpoint (tcp engine, on node N, default ``trainer-node``) publishes the HF state dict on
   disk as ``policy@V`` and holds it; with ``--bad-version W`` also ``policy@W``, B negated
-  with one tensor cut short (it fetches and verifies, then fails to load). Op ``publish``
-  (``version``, ``dir``): a copy of the state dict in ``dir`` as ``policy@version``.
+  with one tensor cut short (refused before a byte moves). Op ``publish`` (``version``,
+  ``dir``, optional ``model``): a copy of the state dict in ``dir`` as
+  ``MODEL@version`` (default ``policy``).
 - engine ``--dir MODEL_DIR [--tp N]``: ``LLM(..., weight_transfer_config={"backend":
   "tensorhub"})`` with its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
   with ``--tp`` 2 or more, vLLM's multiproc executor starts one worker process per TP rank,
   each pinned to one core), float32, eager. Ops: ``generate`` (greedy token ids of
   ``prompt``), ``init`` (``init_info``), ``update`` (``update_info``: start, update,
-  finish; answers rank 0's ``metrics``, ``wall_s`` (start to finish end, measured here)
-  and ``ranks``: per TP rank its ``version`` loaded, endpoint ``group`` and the
-  ``digest`` of the staging copy it loaded from), ``gate`` (``dir``: from now on each
-  rank's fetch waits for the file ``DIR/rank<R>-<N>`` (its N-th fetch, from 1) and
-  touches ``DIR/rank<R>-<N>.done`` once it returned, so a test orders the ranks' fetches
-  and acts between them).
+  finish; with ``generate`` (a prompt) the engine generates between start and the
+  update, and the ranks' reads are waited for before it; answers each rank's
+  ``metrics``, ``wall_s`` (start to finish end), ``pause_wall_s`` (update to finish
+  end, measured here), ``during`` (the tokens generated meanwhile) and ``ranks``: per
+  TP rank its ``version`` loaded, endpoint ``group``, ``path`` and, given ``dir``,
+  ``problems``: how what it holds differs from that checkpoint's slices), ``info``
+  (per rank the parameter classes and their apply mode, or why the whole path),
+  ``reload`` (vLLM's own ``reload_weights`` from ``dir``), ``gate`` (``dir``: from now
+  on each rank's fetch waits for the file ``DIR/rank<R>-<N>`` (its N-th fetch, from 1)
+  and touches ``DIR/rank<R>-<N>.done`` once it returned, so a test orders the ranks'
+  fetches and acts between them).
+- exit ``--dir MODEL_DIR [--init JSON]``: an engine (with the backend when ``--init``
+  is given) takes version 1, prints ``@th done`` and returns from main without shutting
+  anything down (``test_adapter_vllm_exit``).
 
 ``digest(state)`` names a {name: tensor} dict's bytes (sha256 over names and raw bytes).
 """
@@ -40,13 +50,91 @@ import traceback
 PREFIX = "@th "
 
 
-def make_model(path, seed: int) -> None:
-    """A random tiny Llama (hidden 256, 2 layers, 4 query heads over 2 KV heads: vLLM
-    fuses q/k/v and gate/up on load) with a word-level tokenizer: the bench's model."""
-    from tensorhub_cli.bench.vllm_rl import config
+def make_model(path, seed: int, arch: str = "llama") -> None:
+    """A random tiny model of ``arch`` with a word-level tokenizer. ``llama`` (the
+    bench's: hidden 256, 2 layers, 4 query heads over 2 KV heads: vLLM fuses q/k/v and
+    gate/up on load), ``qwen2`` (q/k/v biases), ``qwen3`` (q/k norms, tied
+    embeddings: vLLM's lm_head is the embedding), ``qwen3_moe`` (4 experts, vLLM's
+    fused w13/w2 expert tensors) and ``gpt2`` (Conv1D weights its vLLM loader
+    transposes: not mappable, the whole-tensor path)."""
+    from tensorhub_cli.bench.vllm_rl import WORDS, config
     from tensorhub_cli.bench.vllm_rl import make_model as make
 
-    make(path, config(hidden=256, layers=2), seed)
+    if arch == "llama":
+        return make(path, config(hidden=256, layers=2), seed)
+    import torch
+    import transformers as tf
+
+    # (its own directory: with the model's config beside it, transformers would pick the
+    # architecture's tokenizer class over the word-level one)
+    make_tokenizer(os.path.join(path, "tokenizer"))
+    vocab = len(WORDS) + 3
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    made = {
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=False)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)),
+        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=2, n_head=4,
+                                                         n_positions=256, bos_token_id=1, eos_token_id=2,
+                                                         initializer_range=0.2)),
+    }
+    if arch not in made:
+        raise ValueError(f"arch: one of llama, {', '.join(made)}; not {arch!r}")
+    torch.manual_seed(seed)
+    model = made[arch]()
+    with torch.no_grad():  # (norms start at 1 and biases at 0: random, so a wrong map shows)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.to(torch.float32).save_pretrained(path)
+
+
+def make_tokenizer(path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tensorhub_cli.bench.vllm_rl import WORDS
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+
+
+def tokenizer_of(directory) -> str:
+    """Where ``make_model`` put the tokenizer of the model in ``directory``."""
+    own = os.path.join(directory, "tokenizer")
+    return own if os.path.isdir(own) else str(directory)
+
+
+def check_slices(held: list, directory: str) -> list[str]:
+    """Every way what a worker holds (``held_slices``) differs from the checkpoint in
+    ``directory``: each slot must be the box of its HF tensor, bit for bit."""
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(directory, "model.safetensors"))
+    problems = []
+    for name, box, t in held:
+        if name not in want:
+            problems.append(f"{name}: not in {directory}")
+            continue
+        ref = want[name]
+        if box is not None:
+            ref = ref[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+        if tuple(ref.shape) != tuple(t.shape) or not torch_equal(ref, t):
+            problems.append(f"{name} {box}: differs")
+    return problems
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
 
 
 def digest(state: dict) -> str:
@@ -92,7 +180,13 @@ def trainer(args) -> None:
 
     state = load_file(os.path.join(args.dir, "model.safetensors"))
     token = open(args.token_file).read().strip()
-    with connect(hub=args.hub, token=token, name=args.name, node=args.node, engine="tcp", heartbeat_s=0.2) as ep:
+    # --small-bytes: the size below which the publisher packs tensors into shared chunks
+    # (read whole): a tiny model's are all below the default 1 MiB, a real model's few.
+    options = {"small_bytes": args.small_bytes} if args.small_bytes else {}
+    if args.chunk_bytes:  # (likewise: a tiny tensor is one chunk, one row block of tiles)
+        options["chunk_bytes"] = args.chunk_bytes
+    with connect(hub=args.hub, token=token, name=args.name, node=args.node, engine="tcp", heartbeat_s=0.2,
+                 **options) as ep:
         if args.version is not None:
             ep.publish("policy", args.version, state)
         if args.bad_version is not None:
@@ -105,7 +199,8 @@ def trainer(args) -> None:
 
         def handle(cmd):
             if cmd.get("op") == "publish":  # (a copy each: a version's memory is its own)
-                ep.publish("policy", cmd["version"], load_file(os.path.join(cmd["dir"], "model.safetensors")))
+                ep.publish(cmd.get("model", "policy"), cmd["version"],
+                           load_file(os.path.join(cmd["dir"], "model.safetensors")))
                 return cmd["version"]
             return _unknown("trainer", cmd)
 
@@ -122,17 +217,29 @@ def engine(args) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                               "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
         parallel = dict(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
-    llm = LLM(model=args.dir, dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
-              weight_transfer_config={"backend": "tensorhub"}, **parallel)
+    llm = LLM(model=args.dir, tokenizer=tokenizer_of(args.dir), dtype="float32", enforce_eager=True,
+              max_model_len=128, seed=0, weight_transfer_config={"backend": "tensorhub"}, **parallel)
 
     def metrics(worker):
         return dict(worker.weight_transfer_engine.metrics)
 
-    def rank_state(worker):
+    def rank_state(worker, directory=None):
         engine = worker.weight_transfer_engine
-        staging = engine._staging.get(engine.loaded)
-        return {"version": engine.loaded, "group": engine.endpoint.info.group,
-                "digest": digest(staging) if staging is not None else None}
+        held = engine.held_slices()
+        return {"version": engine.loaded, "group": engine.endpoint.info.group, "path": engine.metrics.get("path"),
+                "held": len(held), "problems": check_slices(held, directory) if directory else None}
+
+    def info(worker):
+        engine = worker.weight_transfer_engine
+        shard = engine.shadows.emap.shard_bytes if engine.shadows is not None else None
+        import prometheus_client
+
+        exposed = sorted({m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("th_")})
+        return {"classes": engine.classes, "reason": engine.path_reason, "shard_bytes": shard, "metrics": exposed}
+
+    def prefetched(worker):
+        engine = worker.weight_transfer_engine
+        return engine.shadows is None or engine.shadows.prefetched()
 
     def install_gate(worker, where):
         # Runs in each rank's process: its endpoint's fetch waits for its gate file.
@@ -167,12 +274,28 @@ def engine(args) -> None:
             llm.init_weight_transfer_engine({"init_info": cmd["init_info"]})
             return None
         if op == "update":
+            # With "generate": start, then generate while the workers read the version,
+            # then wait for their reads; the pause (update + finish) is timed apart.
             started = time.monotonic()
             llm.start_weight_update()
+            during = None
+            if cmd.get("generate"):
+                during = list(llm.generate([cmd["generate"]], SamplingParams(temperature=0.0, max_tokens=8),
+                                           use_tqdm=False)[0].outputs[0].token_ids)
+                deadline = time.monotonic() + 60
+                while not all(llm.collective_rpc(prefetched)) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            paused = time.monotonic()
             llm.update_weights({"update_info": cmd["update_info"]})
             llm.finish_weight_update(weight_version=str(cmd["update_info"]["version"]))
-            wall = time.monotonic() - started
-            return {"metrics": llm.collective_rpc(metrics)[0], "wall_s": wall, "ranks": llm.collective_rpc(rank_state)}
+            ended = time.monotonic()
+            return {"metrics": llm.collective_rpc(metrics), "wall_s": ended - started, "pause_wall_s": ended - paused,
+                    "during": during, "ranks": llm.collective_rpc(rank_state, args=(cmd.get("dir"),))}
+        if op == "info":
+            return llm.collective_rpc(info)
+        if op == "reload":
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["dir"]})
+            return None
         if op == "gate":
             return llm.collective_rpc(install_gate, args=(cmd["dir"],))
         return _unknown("engine", cmd)
@@ -183,9 +306,29 @@ def engine(args) -> None:
         llm.collective_rpc("shutdown_weight_transfer_engine")
 
 
+def exit_(args) -> None:
+    """Start an engine (with the backend when ``--init`` names one), take version 1,
+    print ``@th done`` and return from main without shutting anything down: what a
+    user's script does when it ends."""
+    from vllm import LLM, SamplingParams
+
+    options = {"weight_transfer_config": {"backend": "tensorhub"}} if args.init else {}
+    llm = LLM(model=args.dir, tokenizer=tokenizer_of(args.dir), dtype="float32", enforce_eager=True,
+              max_model_len=128, seed=0, **options)
+    llm.generate(["w1 w2"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    if args.init:
+        llm.init_weight_transfer_engine({"init_info": json.loads(args.init)})
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": 1}})
+        llm.finish_weight_update(weight_version="1")
+    sys.stdout.write(PREFIX + "done\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["trainer", "engine"])
+    parser.add_argument("role", choices=["trainer", "engine", "exit"])
+    parser.add_argument("--init", help="exit: the init_info (JSON) of the backend")
     parser.add_argument("--dir", required=True)
     parser.add_argument("--hub")
     parser.add_argument("--token-file")
@@ -194,10 +337,12 @@ def main() -> None:
     parser.add_argument("--node", default="trainer-node")
     parser.add_argument("--bad-version", type=int)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--small-bytes", type=int)
+    parser.add_argument("--chunk-bytes", type=int)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    (trainer if args.role == "trainer" else engine)(args)
+    {"trainer": trainer, "engine": engine, "exit": exit_}[args.role](args)
 
 
 if __name__ == "__main__":  # vLLM spawns: a child re-imports this module
