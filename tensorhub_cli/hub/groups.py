@@ -2,7 +2,8 @@
 
 A round opens when a member of a group resolves ``latest`` and no round is open; it
 fixes the version every member resolving ``latest`` gets until the round ends. It ends
-when (a) every member holds a complete replica of the round's version and the member
+when (a) every member has loaded the round's version (a complete replica, or, for a
+reader of another layout such as a TP shard, every piece its boxes need) and the member
 asking resolved in the round already (it starts its next update; a member that has
 not taken the round's version yet gets it, even when it already holds it, or a
 no-op update by one member would end the round and a version landing next would

@@ -47,6 +47,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         rep = v.replicas[op.name] = Replica(endpoint=op.name)
     want = int.from_bytes(op.want, "little") & v.full if op.want else v.full
     if rep.held & want == want:
+        rep.satisfied = True
         return p.Planned(reads=[], sources=[], complete=True)
     _drop_lost_reads(hub, now, v, op.name)
     reads = v.reads.get(op.name, {})

@@ -42,6 +42,9 @@ class Replica:
     endpoint: str
     held: int = 0
     rank: int = -1  # >= 0: published shard (a publisher); -1: filled by reading
+    # A reader whose plan was answered complete: it has every chunk its boxes need
+    # (a reader of another layout holds them in part, so ``held`` never becomes full).
+    satisfied: bool = False
 
 
 @dataclass
@@ -162,6 +165,13 @@ class Version:
     def complete(self, name: str) -> bool:
         rep = self.replicas.get(name)
         return rep is not None and self.assembled and rep.held == self.full
+
+    def loaded(self, name: str) -> bool:
+        """``name`` has what it reads of this version: every chunk, or (a reader of
+        another layout) every piece its boxes need. What a group round waits for;
+        never a copy for retention (``complete``)."""
+        rep = self.replicas.get(name)
+        return self.complete(name) or (rep is not None and self.assembled and rep.satisfied)
 
     def pin(self, reader: str, chunk: int, source: str, relays: bool = True) -> None:
         """``relays``: the reader will hold the chunk whole, so others may wait for it

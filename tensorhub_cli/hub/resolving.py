@@ -36,7 +36,7 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
         members = {n for n, ep in hub.endpoints.items() if ep.info.group == op.group}
         v_round = hub.models[op.model].get(rnd.version)
         why = round_over(rnd, members, now, hub.config.round_timeout_s, lambda n: n in hub.endpoints,
-                         lambda n: v_round is not None and v_round.complete(n), op.name)
+                         lambda n: v_round is not None and v_round.loaded(n), op.name)
         if why is not None or v_round is None:
             hub.count(f"rounds_ended.{(why or 'version dropped').replace(' ', '_')}")
             rnd = None

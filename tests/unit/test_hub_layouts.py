@@ -36,3 +36,23 @@ def test_tiles_serve_their_own_layout_only_and_hide_nothing_from_whole_readers()
     # tiles must not count as chunks readers there relay (the publisher would withhold them).
     fetch_all(hub, 0, "whole", "policy", 1)
     assert hub.models["policy"][1].replicas["whole"].held == 0b11
+
+
+def test_a_group_of_shard_readers_ends_its_round_once_each_has_its_shard():
+    """TP workers read only their shard (another layout): none ever holds every chunk
+    whole. The round must end once each has what its boxes need, or the next update's
+    `latest` would keep answering the old version until the round times out."""
+    hub = new_hub()
+    reg(hub, 0, info("t"), info("tp0", node="n2", group="g"), info("tp1", node="n3", group="g"))
+    hub.publish(0, p.Publish(name="t", model="policy", version=1, manifest=manifest(2)))
+    for name, chunk in (("tp0", 0), ("tp1", 1)):
+        assert hub.resolve(0, p.Resolve(name=name, model="policy", group="g")).version == 1
+        first = hub.plan(0, p.Plan(name=name, model="policy", version=1, want=want(chunk), layout="X"))
+        assert [r.chunk for r in first.reads] == [chunk]
+        assert hub.plan(0, p.Plan(name=name, model="policy", version=1, want=want(), layout="X",
+                                  partial=[chunk])).complete
+    hub.publish(0, p.Publish(name="t", model="policy", version=2, manifest=manifest(2, salt=2)))
+    assert hub.resolve(0, p.Resolve(name="tp0", model="policy", group="g")).version == 2, \
+        "the round of v1 stayed open though both shard readers had loaded their shards"
+    assert hub.resolve(0, p.Resolve(name="tp1", model="policy", group="g")).version == 2
+    assert not hub.models["policy"][1].complete("tp0")  # (no copy for retention: it holds tiles only)
