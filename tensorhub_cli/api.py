@@ -5,7 +5,9 @@ Protocol. ``connect(hub="tcp://HOST:PORT", token=..., name=..., ...)`` is
 looks the cluster up (``launch.lookup``): the hub address, token and the node's place
 (address, rack, DC) always come from the cluster; the engine, ``heartbeat_s`` and the
 endpoint timeouts come from it unless the caller passes them. Either way it returns a
-registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named),
+registered ``Endpoint``. Inside a Ray worker, on a cluster started with ``launcher:
+ray``, ``connect(name=...)`` alone finds the cluster, its node and the token through
+Ray (``launch.ray_lookup``). Either way it raises ``BadArgument`` (an argument is wrong; it is named),
 ``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
 registration in time) or ``HubError`` (the hub refused us for good: ``auth``, a bad
 token, at once).

@@ -24,6 +24,12 @@ Each restart is recorded as it returns; a failure stops nothing that lived and
 raises ``ReconcileError`` (an ``UpError``); what it did restart stays recorded (``th down`` stops it, another
 ``th up`` retries the rest). Nothing died: ``AlreadyRunning``.
 
+Launcher ``ray``: the spec given names a Ray cluster, not nodes; ``up`` first resolves
+it against the live Ray nodes (``ray_nodes``) and runs that spec (``spec.yaml``; the
+given one is kept as ``given.yaml``, which ``reconcile`` compares), and ends by starting
+the cluster's follower (``ray_follow``: joins get agents, leaves are failed over);
+``down`` stops the follower first and kills any actor of the cluster left at the end.
+
 Every wait has a limit the caller may set: ``up(timeout=)`` for registration (and
 ``call_timeout`` per status request to the hub), ``down(stop_timeout=)`` per process,
 ``processes_alive(connect_timeout=)`` per unreachable node. ssh connections take the

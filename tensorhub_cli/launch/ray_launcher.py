@@ -40,6 +40,16 @@ KILL_WAIT_S = 10.0  # how long a killed actor's name may take to be free again
 FOLLOWER = "follow"
 
 
+_REMOTE: dict = {}
+
+
+def _remote(ray, cls):
+    """``ray.remote(cls)``, made once per process (each makes a new actor class)."""
+    if cls not in _REMOTE:
+        _REMOTE[cls] = ray.remote(cls)
+    return _REMOTE[cls]
+
+
 class RayLauncherError(SshError):
     """A Ray call failed; worded for the user (names the node or actor)."""
 
@@ -133,7 +143,7 @@ class RayLauncher:
         deadline = time.monotonic() + KILL_WAIT_S
         while True:
             try:
-                actor = ray.remote(ProcessActor).options(
+                actor = _remote(ray, ProcessActor).options(
                     name=self.actor_name(proc_name), namespace=self.config.namespace, lifetime="detached",
                     num_cpus=0, max_restarts=0, max_concurrency=4, scheduling_strategy=strategy,
                 ).remote(argv, "{NODE_DIR}/" + proc_name + ".log", self.node_dir(node.name), self._token)
@@ -259,7 +269,7 @@ class RayLauncher:
             except (self.ray.exceptions.RayActorError, RayLauncherError):
                 self.ray.kill(old)
         here = self.ray.get_runtime_context().get_node_id()
-        actor = self.ray.remote(Follower).options(
+        actor = _remote(self.ray, Follower).options(
             name=self.actor_name(FOLLOWER), namespace=self.config.namespace, lifetime="detached", num_cpus=0,
             max_restarts=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
