@@ -20,10 +20,12 @@ seconds of CPU on a small machine):
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -72,7 +74,9 @@ def ray_cluster(tmp_path_factory):
     # (a raylet that dies is declared dead after 3 missed 1 s health checks, not 5 of 3 s)
     env = ray_env({"TH_AGENT_STORE": str(tmp_path / "store"), "RAY_health_check_period_ms": "1000",
                    "RAY_health_check_failure_threshold": "3"})
-    nodes = [RayNode(HEAD, tmp_path / "ray-head.log", head_port=port, env=env, temp_dir=tmp_path / "ray")]
+    # (short: Ray's unix sockets live under it, and a socket path has at most 107 bytes)
+    temp_dir = Path(tempfile.mkdtemp(prefix="thray-", dir="/tmp"))
+    nodes = [RayNode(HEAD, tmp_path / "ray-head.log", head_port=port, env=env, temp_dir=temp_dir)]
     try:
         nodes.append(RayNode(WORKER, tmp_path / "ray-worker.log", address=f"{HEAD}:{port}", env=env,
                              labels={"tensorhub.io/node": "w1", "tensorhub.io/rack": "r2"}))
@@ -83,6 +87,7 @@ def ray_cluster(tmp_path_factory):
         if ray.is_initialized():
             ray.shutdown()
         left = [pid for node in nodes for pid in node.stop()]
+        shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left after SIGKILL: {left}"
 
 

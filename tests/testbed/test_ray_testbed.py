@@ -14,9 +14,12 @@ Root only (skipped elsewhere, failed under CI), like every testbed test.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -77,7 +80,8 @@ def test_ray_cluster_on_testbed_nodes_follows_joins_and_leaves_during_a_read(bui
                        **kw)
 
     started = time.monotonic()
-    ray_nodes = {"n1": raylet("n1", head_port=port, temp_dir=tmp_path / "th-ray-testbed")}
+    temp_dir = Path(tempfile.mkdtemp(prefix="th-ray-testbed-", dir="/tmp"))  # short: Ray's sockets live there
+    ray_nodes = {"n1": raylet("n1", head_port=port, temp_dir=temp_dir)}
     address = f"{nodes['n1']['address']}:{port}"
     name = "raytb"
     doc = yaml.safe_load((REPO / "specs" / "ray.yaml").read_text())
@@ -128,6 +132,7 @@ def test_ray_cluster_on_testbed_nodes_follows_joins_and_leaves_during_a_read(bui
         down = th_in("n1", home, "down", "-c", name, check=False)
         print(down.stdout, down.stderr)
         left = [pid for node in ray_nodes.values() for pid in node.stop()]
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert down.returncode == 0, down.stderr
     assert not left, f"Ray processes left after SIGKILL: {left}"
     wait_for(lambda: not ray_leftovers(name), 20, "no hub, agent or raylet left")
