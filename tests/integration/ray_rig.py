@@ -28,7 +28,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 def ray_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TH_", "RAY_"))}
-    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", **(extra or {}))
+    # (a raylet on a busy 2-core machine may take longer than Ray's default 30 s to register)
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_raylet_start_wait_time_s="120",
+               **(extra or {}))
     return env
 
 
@@ -36,12 +38,14 @@ class RayNode:
     def __init__(self, ip: str, log: Path, *, head_port: int | None = None, address: str | None = None,
                  labels: dict | None = None, env: dict | None = None, temp_dir: Path | None = None,
                  prefix: list[str] | None = None):
+        # (inside a namespace node (``prefix``) every port of its own network is free)
+        port = (lambda: free_port(ip)) if prefix is None else free_port
         argv = [RAY, "start", "--block", "--node-ip-address", ip, "--num-cpus", "1", "--disable-usage-stats",
-                "--object-store-memory", str(80 << 20), "--dashboard-agent-listen-port", str(free_port(ip)),
-                "--metrics-export-port", str(free_port(ip))]
+                "--object-store-memory", str(80 << 20), "--dashboard-agent-listen-port", str(port()),
+                "--metrics-export-port", str(port())]
         if head_port is not None:
             argv += ["--head", "--port", str(head_port), "--include-dashboard=false",
-                     "--ray-client-server-port", str(free_port(ip))]
+                     "--ray-client-server-port", str(port())]
             if temp_dir is not None:
                 argv += ["--temp-dir", str(temp_dir)]
         else:
@@ -54,6 +58,18 @@ class RayNode:
         self.out = open(log, "ab")
         self.proc = subprocess.Popen([*(prefix or []), *argv], stdin=subprocess.DEVNULL, stdout=self.out,
                                      stderr=subprocess.STDOUT, env=env or ray_env(), start_new_session=True)
+
+    def wait_started(self, timeout: float = 120.0) -> float:
+        """Until ``ray start`` says the node runs (its raylet registered); seconds taken."""
+        began = time.monotonic()
+
+        def started() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ray start on {self.ip} exited {self.proc.returncode}; see {self.log}")
+            return "Ray runtime started" in self.log.read_text(errors="replace")
+
+        wait_for(started, timeout, f"the Ray node on {self.ip} ({self.log})")
+        return time.monotonic() - began
 
     def tree(self) -> list[psutil.Process]:
         try:

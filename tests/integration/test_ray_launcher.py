@@ -78,9 +78,11 @@ def ray_cluster(tmp_path_factory):
     temp_dir = Path(tempfile.mkdtemp(prefix="thray-", dir="/tmp"))
     nodes = [RayNode(HEAD, tmp_path / "ray-head.log", head_port=port, env=env, temp_dir=temp_dir)]
     try:
+        print(f"ray start --head: {nodes[0].wait_started():.1f}s")
         nodes.append(RayNode(WORKER, tmp_path / "ray-worker.log", address=f"{HEAD}:{port}", env=env,
                              labels={"tensorhub.io/node": "w1", "tensorhub.io/rack": "r2"}))
         ray.init(address=f"{HEAD}:{port}", namespace="th-test", log_to_driver=False, logging_level="ERROR")
+        print(f"ray start --address: {nodes[1].wait_started():.1f}s")
         wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 120, "two live Ray nodes")
         yield nodes, f"{HEAD}:{port}", env
     finally:
@@ -137,9 +139,12 @@ def test_th_up_on_a_ray_cluster_follows_its_nodes(tmp_path, ray_cluster):
         # A node joins: it gets an agent, and a sync to it completes (it serves reads).
         joined_at = time.monotonic()
         nodes.append(RayNode(JOINER, tmp_path / "ray-joiner.log", address=address, env=env))
+        nodes[-1].wait_started()
+        registered_at = time.monotonic()
         wait_for(lambda: agents(home, name).get("ray-127-0-0-63"), 60, "the joined node's agent", every=0.5)
         th(home, "sync", "policy", "--node", "ray-127-0-0-63")
-        print(f"joined node serving reads {time.monotonic() - joined_at:.1f}s after `ray start`")
+        print(f"joined node serving reads {time.monotonic() - registered_at:.1f}s after it joined "
+              f"({time.monotonic() - joined_at:.1f}s after its `ray start`)")
 
         # It dies: failed over (its agent gone), dropped from the running spec; v1 stays READY.
         nodes[-1].kill()
