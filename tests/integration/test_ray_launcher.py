@@ -13,6 +13,8 @@ seconds of CPU on a small machine):
 - a node that joins gets an agent and serves reads (a sync to it completes); a node
   that dies is failed over (its agent reported gone, the node dropped) while the
   version stays READY;
+- `th scale` starts a runner in a node-pinned actor, `th failover` moves it and drains
+  the node's agent, `th up` on the running cluster restarts that agent;
 - `th logs` and `th status` go through the actors; `th down` leaves no actor of the
   cluster and no hub or agent process; the raylets are stopped by PID afterwards.
 """
@@ -95,6 +97,9 @@ def ray_cluster(tmp_path_factory):
 
 def spec_file(tmp_path, address) -> tuple[str, object]:
     doc = yaml.safe_load((REPO / "specs" / "ray.yaml").read_text())
+    # a stand-in rollout runner: registers under its name, stays until SIGTERM
+    doc["roles"]["rollout"]["runner"] = {"command": "tests.integration.flaky",
+                                         "args": ["--counter", str(tmp_path / "starts")]}
     doc["name"] = name = f"ray{free_port() % 10000}"
     doc["ray"] = {"address": address, "follow_s": 0.5, "namespace": "th-test"}
     doc["engine"] = "tcp"
@@ -159,6 +164,23 @@ def test_th_up_on_a_ray_cluster_follows_its_nodes(tmp_path, ray_cluster):
         follower = ray.get_actor(f"{name}.follow", namespace="th-test")
         lines = ray.get(follower.events.remote(), timeout=30)
         assert any("ray-127-0-0-63 left the Ray cluster: failing it over" in ln for ln in lines), lines
+
+        # th scale and th failover through the actors: a runner (under its supervisor, in
+        # a node-pinned actor) starts on the head; failing the head over moves it to w1
+        # and drains the head's agent; th up on the running cluster brings that back.
+        def placed():
+            procs = json.loads((home / name / "state.json").read_text())["procs"]
+            return sorted((p["role"], p["node"]) for p in procs if p["role"] in ("rollout", "agent"))
+
+        th(home, "scale", "rollout=1", "-c", name)
+        assert placed() == [("agent", "ray-127-0-0-61"), ("agent", "w1"), ("rollout", "ray-127-0-0-61")]
+        th(home, "failover", "ray-127-0-0-61", "-c", name)
+        assert placed() == [("agent", "w1"), ("rollout", "w1")]
+        again = th(home, "up", str(spec))
+        assert "restarted agent@ray-127-0-0-61" in again.stdout, again.stdout
+        assert agents(home, name) == {"ray-127-0-0-61": True, "w1": True}
+        th(home, "scale", "rollout=0", "-c", name)
+        assert placed() == [("agent", "ray-127-0-0-61"), ("agent", "w1")]
     finally:
         down = th(home, "down", "-c", name, check=False)
         print(down.stdout, down.stderr)
