@@ -136,8 +136,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         # bucket_size is verl's transfer bucket: TensorHub cuts its own chunks (chunk_bytes).
         from ..launch.ray_lookup import in_ray
 
-        in_ray = in_ray()  # a Ray worker finds its cluster and node itself (connect)
-        if (cluster is not None and hub is not None) or (cluster is None and hub is None and not in_ray):
+        inside_ray = in_ray()  # a Ray worker finds its cluster and node itself (connect)
+        if (cluster is not None and hub is not None) or (cluster is None and hub is None and not inside_ray):
             raise BadArgument(f"{_WHERE} needs exactly one of cluster=NAME or hub=ADDRESS (+ token_file); "
                               "inside a Ray worker of a `launcher: ray` cluster, neither")
         if hub is not None and not (isinstance(token_file, str) and Path(token_file).is_file()):
@@ -154,7 +154,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.timeouts = {k: _seconds(v, k) for k, v in (("publish_timeout_s", publish_timeout_s),
                                                        ("drain_timeout_s", drain_timeout_s),
                                                        ("receive_timeout_s", receive_timeout_s))}
-        node = node or os.environ.get("TH_NODE") or (None if in_ray else socket.gethostname())
+        node = node or os.environ.get("TH_NODE") or (None if inside_ray else socket.gethostname())
         self._where = dict(hub=hub, host=host or os.environ.get("TH_HOST")) if hub else dict(cluster=cluster)
         self._token_file, self._options = token_file, dict(node=node, engine=engine, group=group,
                                                            chunk_bytes=chunk_bytes, device=str(self.device))
@@ -339,7 +339,17 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         if "hub" in where:
             where["token"] = Path(self._token_file).read_text().strip()
         options = dict(self._options, group=None if role == "trainer" else (self._options["group"] or replica_group()))
+        if options["node"] is None and where.get("cluster") and not _on_ray(where["cluster"]):
+            options["node"] = socket.gethostname()  # a cluster Ray does not run: the host name, as outside Ray
         return connect(**where, name=name, role=f"verl-{role}", reliable=reliable, **options)
+
+
+def _on_ray(cluster: str) -> bool:
+    """Whether the Ray cluster we run in runs TensorHub cluster ``cluster`` (``launcher:
+    ray``: it places us by our Ray node, so no node needs naming)."""
+    from ..launch.ray_lookup import clusters, in_ray
+
+    return in_ray() and any(name == cluster for name, _ in clusters())
 
 
 def step_version(global_steps: object) -> int:

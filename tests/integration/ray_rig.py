@@ -151,14 +151,15 @@ class VerlWorker:
     as ``examples/verl_tensorhub.yaml`` configures it; weights come from a seed
     (``verl_driver.make``), so both sides rebuild the exact bytes."""
 
-    def __init__(self, role: str, name: str):
+    def __init__(self, role: str, name: str, cluster: str | None = None):
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
         from verl.utils.import_utils import import_external_libs
 
         import_external_libs("tensorhub_cli.adapters.verl")  # as custom_backend_module is imported
         verl_kwargs = dict(is_master=True, bucket_size=1 << 20) if role == "trainer" else dict(bucket_size=1 << 20)
+        where = {"cluster": cluster} if cluster else {}  # named or not, Ray places us
         self.engine = CheckpointEngineRegistry.new("tensorhub", **verl_kwargs, model="policy", name=name,
-                                                   receive_timeout_s=60.0)
+                                                   receive_timeout_s=60.0, **where)
 
     def send(self, step: int, seed: int) -> dict:
         import asyncio

@@ -191,9 +191,10 @@ def test_th_up_on_a_ray_cluster_follows_its_nodes(tmp_path, ray_cluster):
 
 
 def test_a_verl_job_on_ray_syncs_every_step_through_tensorhub(tmp_path, ray_cluster):
-    """Trainer and rollouts as Ray actors, the engine configured with ``model`` only:
-    steps 0..3 bit-exact on every rollout; a rollout joining at step 2 on the worker
-    node reads it from the rollout there, none of it from the trainer."""
+    """Trainer and rollouts as Ray actors, the engine configured with ``model`` only
+    (the joiner also names the cluster; no node either way): steps 0..3 bit-exact on
+    every rollout; a rollout joining at step 2 on the worker node reads it from the
+    rollout there, none of it from the trainer."""
     pytest.importorskip("verl")
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -202,9 +203,9 @@ def test_a_verl_job_on_ray_syncs_every_step_through_tensorhub(tmp_path, ray_clus
     name, spec = spec_file(tmp_path, address)
     ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
-    def on(ip, role, who):
+    def on(ip, role, who, cluster=None):
         pin = NodeAffinitySchedulingStrategy(ids[ip], soft=False)
-        return ray.remote(VerlWorker).options(num_cpus=0, scheduling_strategy=pin).remote(role, who)
+        return ray.remote(VerlWorker).options(num_cpus=0, scheduling_strategy=pin).remote(role, who, cluster)
 
     th(home, "up", str(spec))
     actors = []
@@ -214,7 +215,7 @@ def test_a_verl_job_on_ray_syncs_every_step_through_tensorhub(tmp_path, ray_clus
         actors += [trainer, *rollouts]
         for step in range(4):
             if step == 2:  # joins mid-run, next to the worker node's rollout
-                joiner = on(WORKER, "rollout", "verl-joiner-w1")
+                joiner = on(WORKER, "rollout", "verl-joiner-w1", cluster=name)  # (names it: same place)
                 actors.append(joiner)
             metrics = ray.get(trainer.send.remote(step, 100 + step), timeout=120)
             assert metrics["checkpoint_engine/version"] == step + 1
