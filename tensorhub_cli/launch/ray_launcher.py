@@ -27,6 +27,7 @@ for the rest).
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from .ray_nodes import RAY_NODE_ID, resolve
 from .ssh import SshError
 
 CALL_TIMEOUT_S = 15.0  # default limit of one call to an actor or to Ray
+CONNECT_TIMEOUT_S = 10.0  # default limit of reaching the Ray head's GCS port
 KILL_WAIT_S = 10.0  # how long a killed actor's name may take to be free again
 FOLLOWER = "follow"
 
@@ -62,11 +64,26 @@ def ray_module():
     return ray
 
 
-def join(address: str, namespace: str):
+def _reachable(address: str, timeout: float) -> None:
+    """A HOST:PORT address must accept a TCP connection within ``timeout`` seconds:
+    ``ray.init`` retries an unreachable GCS for minutes without a word."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # 'auto' and other forms: ray.init itself fails at once
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise RayLauncherError(f"ray.address {address!r}: no Ray head answers there ({exc.strerror or exc}) within "
+                               f"{timeout:.0f}s; `ray status` on a node of the cluster shows its address") from None
+
+
+def join(address: str, namespace: str, timeout: float = CONNECT_TIMEOUT_S):
     """``ray`` connected to the cluster at ``address`` (a driver of this process), in
-    ``namespace``; a process already connected (a Ray worker) keeps its connection."""
+    ``namespace``; a process already connected (a Ray worker) keeps its connection.
+    An address nobody answers at fails within ``timeout`` seconds."""
     ray = ray_module()
     if not ray.is_initialized():
+        _reachable(address, timeout)
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
                      configure_logging=False)

@@ -98,3 +98,15 @@ def test_a_joined_node_is_added_and_a_left_one_dropped(tmp_path):
     grown = _with(spec, [later.node("ray-10-0-0-2")])
     assert [(n.name, n.rack) for n in grown.nodes()] == [("ray-10-0-0-1", "rack0"), ("ray-10-0-0-2", "r2")]
     assert [n.name for n in _without(grown, "ray-10-0-0-2").nodes()] == ["ray-10-0-0-1"]
+
+
+def test_an_address_no_ray_head_answers_at_fails_at_once_naming_it():
+    """ray.init retries an unreachable GCS for minutes; `th up` says so within seconds."""
+    pytest.importorskip("ray")
+    from tensorhub_cli.launch.ray_launcher import RayLauncherError, join
+
+    from ..conftest import free_port
+
+    port = free_port()  # (nothing listens there once the probe socket is closed)
+    with pytest.raises(RayLauncherError, match=rf"ray.address '127.0.0.1:{port}': no Ray head answers there"):
+        join(f"127.0.0.1:{port}", "tensorhub", timeout=2.0)
