@@ -177,7 +177,7 @@ class Follower:
     def lookup(self, ray_node_id: str | None = None, node: str | None = None) -> dict:
         """``connect`` options for an endpoint on the node (by Ray node id or name);
         ``{"error": why}`` when there is none."""
-        from .lookup import ClusterLookupError, endpoint_options
+        from .lookup import endpoint_options
         from .ray_nodes import node_of
         from .state import cluster_dir
         from ..spec import load
@@ -191,8 +191,8 @@ class Follower:
                                      f"it gets one within {spec.ray_or_default().follow_s:g}s of joining"}
                 node = placed.name
             options = endpoint_options(self.cluster, node)
-        except (ClusterLookupError, OSError, Exception) as exc:
-            return {"error": str(exc)}
+        except Exception as exc:  # (a lookup error, an unreadable spec or state): the caller's to show
+            return {"error": f"cluster {self.cluster!r}: {exc}"}
         return {**options, "node": node}
 
     def stop(self) -> None:

@@ -78,8 +78,9 @@ def ray_cluster(tmp_path_factory):
                    "RAY_health_check_failure_threshold": "3"})
     # (short: Ray's unix sockets live under it, and a socket path has at most 107 bytes)
     temp_dir = Path(tempfile.mkdtemp(prefix="thray-", dir="/tmp"))
-    nodes = [RayNode(HEAD, tmp_path / "ray-head.log", head_port=port, env=env, temp_dir=temp_dir)]
+    nodes: list[RayNode] = []
     try:
+        nodes.append(RayNode(HEAD, tmp_path / "ray-head.log", head_port=port, env=env, temp_dir=temp_dir))
         print(f"ray start --head: {nodes[0].wait_started():.1f}s")
         nodes.append(RayNode(WORKER, tmp_path / "ray-worker.log", address=f"{HEAD}:{port}", env=env,
                              labels={"tensorhub.io/node": "w1", "tensorhub.io/rack": "r2"}))

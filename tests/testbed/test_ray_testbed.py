@@ -79,9 +79,6 @@ def test_ray_cluster_on_testbed_nodes_follows_joins_and_leaves_during_a_read(bui
                        labels={"tensorhub.io/node": node, "tensorhub.io/rack": n["rack"], "tensorhub.io/dc": n["dc"]},
                        **kw)
 
-    started = time.monotonic()
-    temp_dir = Path(tempfile.mkdtemp(prefix="th-ray-testbed-", dir="/tmp"))  # short: Ray's sockets live there
-    ray_nodes = {"n1": raylet("n1", head_port=port, temp_dir=temp_dir)}
     address = f"{nodes['n1']['address']}:{port}"
     name = "raytb"
     doc = yaml.safe_load((REPO / "specs" / "ray.yaml").read_text())
@@ -96,7 +93,11 @@ def test_ray_cluster_on_testbed_nodes_follows_joins_and_leaves_during_a_read(bui
     from safetensors.torch import save_file
 
     save_file({"w": torch.randn(MIB * 2**20 // 4)}, str(ckpt))
+    started = time.monotonic()
+    temp_dir = Path(tempfile.mkdtemp(prefix="th-ray-testbed-", dir="/tmp"))  # short: Ray's sockets live there
+    ray_nodes: dict[str, RayNode] = {}
     try:
+        ray_nodes["n1"] = raylet("n1", head_port=port, temp_dir=temp_dir)
         ray_nodes["n1"].wait_started()
         for node in ("n2", "n4"):  # one at a time: on 2 cores, raylets starting together time out
             ray_nodes[node] = raylet(node, address=address)
