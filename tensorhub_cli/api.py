@@ -5,7 +5,9 @@ Protocol. ``connect(hub="tcp://HOST:PORT", token=..., name=..., ...)`` is
 looks the cluster up (``launch.lookup``): the hub address, token and the node's place
 (address, rack, DC) always come from the cluster; the engine, ``heartbeat_s`` and the
 endpoint timeouts come from it unless the caller passes them. Either way it returns a
-registered ``Endpoint``, or raises ``BadArgument`` (an argument is wrong; it is named),
+registered ``Endpoint``. Inside a Ray worker, on a cluster started with ``launcher:
+ray``, ``connect(name=...)`` alone finds the cluster, its node and the token through
+Ray (``launch.ray_lookup``). Either way it raises ``BadArgument`` (an argument is wrong; it is named),
 ``EndpointError`` (the cluster cannot be looked up, or the hub did not accept the
 registration in time) or ``HubError`` (the hub refused us for good: ``auth``, a bad
 token, at once).
@@ -43,11 +45,16 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
       token: the cluster token (``th up`` writes it under $TH_HOME).
       cluster: the name of a cluster ``th up`` started on this machine; the hub, the
         token and the place of ``node`` (address, rack, DC) are read from it.
+      Inside a Ray worker, on a cluster ``th up`` started with ``launcher: ray``:
+        ``cluster`` may be left out too (the Ray cluster's one TensorHub cluster),
+        and ``node`` (the TensorHub node of the Ray node we run on): no environment
+        variables needed (``launch.ray_lookup``).
 
     Who we are:
       name: this endpoint's name, unique in the cluster (a process restarted under it
         replaces the old one).
-      node: the node we run on (required with ``cluster``; default "local").
+      node: the node we run on (required with ``cluster``, except inside a Ray
+        worker; default "local").
       role: free text shown by ``th status`` and matched by ``th sync --role``.
       reliable: True counts our copies towards retention (``min_reliable_copies``);
         False for spot workers.
@@ -95,8 +102,13 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
     """
     from . import endpoint as endpoint_lib  # (deferred: see the module)
 
-    if (hub is None) == (cluster is None):
+    from .launch.ray_lookup import in_ray
+
+    if hub is not None and cluster is not None:
         raise BadArgument("connect needs exactly one of hub=... or cluster=...")
+    if hub is None and cluster is None and not in_ray():
+        raise BadArgument("connect needs exactly one of hub=... or cluster=... (neither only inside a Ray worker "
+                          "of a cluster `th up` started with launcher: ray)")
     given = dict(name=name, node=node, role=role, reliable=reliable, group=group, tier=tier, device=device, kind=kind,
                  engine=engine, host=host, dc=dc, rack=rack, heartbeat_s=heartbeat_s, read_timeout_s=read_timeout_s,
                  plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
@@ -104,10 +116,10 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
                  small_bytes=small_bytes, peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s,
                  reg_cache_bytes=reg_cache_bytes)
     options = {k: v for k, v in given.items() if v is not None}
-    if cluster is not None:
+    if hub is None:
         from .launch.lookup import endpoint_options
 
-        if not isinstance(cluster, str) or not cluster:
+        if cluster is not None and (not isinstance(cluster, str) or not cluster):
             raise BadArgument(f"cluster takes a cluster's name (a non-empty str), not {cluster!r}")
         try:
             found = endpoint_options(cluster, node)

@@ -5,8 +5,9 @@ Protocol. verl (0.9.1) picks it with ``rollout.checkpoint_engine.backend=tensorh
 worker imports this module, which registers ``TensorHubCheckpointEngine`` in verl's
 ``CheckpointEngineRegistry``, and verl builds it with ``bucket_size=``, on trainer
 ranks ``is_master=`` (torch rank 0), and ``checkpoint_engine.engine_kwargs.tensorhub``:
-``cluster`` (a ``th up`` cluster; ``node`` defaults to $TH_NODE, else the host name)
-or ``hub`` + ``token_file``; ``model`` ("policy"), ``engine`` ("nixl"/"tcp"),
+``cluster`` (a ``th up`` cluster; ``node`` defaults to $TH_NODE, else the host name;
+inside a Ray worker of a ``launcher: ray`` cluster both may be left out: the cluster
+and the node of the Ray node we run on are found through Ray) or ``hub`` + ``token_file``; ``model`` ("policy"), ``engine`` ("nixl"/"tcp"),
 ``device`` ("cpu"; "cuda" is the worker's current GPU), ``host`` (hub mode: the address
 we serve from, default $TH_HOST or 127.0.0.1), ``name``, ``group`` (rollout side: see
 Groups), ``reliable``, ``chunk_bytes``, ``double_buffer`` (rollout side, default false:
@@ -133,8 +134,12 @@ class TensorHubCheckpointEngine(CheckpointEngine):
                  double_buffer: bool = False, publish_timeout_s: float = 60.0, drain_timeout_s: float = 120.0,
                  receive_timeout_s: float = 600.0):
         # bucket_size is verl's transfer bucket: TensorHub cuts its own chunks (chunk_bytes).
-        if (cluster is None) == (hub is None):
-            raise BadArgument(f"{_WHERE} needs exactly one of cluster=NAME or hub=ADDRESS (+ token_file)")
+        from ..launch.ray_lookup import in_ray
+
+        inside_ray = in_ray()  # a Ray worker finds its cluster and node itself (connect)
+        if (cluster is not None and hub is not None) or (cluster is None and hub is None and not inside_ray):
+            raise BadArgument(f"{_WHERE} needs exactly one of cluster=NAME or hub=ADDRESS (+ token_file); "
+                              "inside a Ray worker of a `launcher: ray` cluster, neither")
         if hub is not None and not (isinstance(token_file, str) and Path(token_file).is_file()):
             raise BadArgument(f"{_WHERE}.token_file must name a readable file with hub=..., not {token_file!r}")
         if engine not in (None, "nixl", "tcp"):
@@ -149,8 +154,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         self.timeouts = {k: _seconds(v, k) for k, v in (("publish_timeout_s", publish_timeout_s),
                                                        ("drain_timeout_s", drain_timeout_s),
                                                        ("receive_timeout_s", receive_timeout_s))}
-        node = node or os.environ.get("TH_NODE") or socket.gethostname()
-        self._where = dict(cluster=cluster) if cluster else dict(hub=hub, host=host or os.environ.get("TH_HOST"))
+        node = node or os.environ.get("TH_NODE") or (None if inside_ray else socket.gethostname())
+        self._where = dict(hub=hub, host=host or os.environ.get("TH_HOST")) if hub else dict(cluster=cluster)
         self._token_file, self._options = token_file, dict(node=node, engine=engine, group=group,
                                                            chunk_bytes=chunk_bytes, device=str(self.device))
         self._name, self._reliable = name, reliable
@@ -328,13 +333,23 @@ class TensorHubCheckpointEngine(CheckpointEngine):
         return self._ep[0]
 
     def _connect(self, role: str):
-        name = self._name or f"verl-{role}-{self._options['node']}-{os.getpid()}"
+        name = self._name or f"verl-{role}-{self._options['node'] or socket.gethostname()}-{os.getpid()}"
         reliable = (role == "trainer") if self._reliable is None else self._reliable
         where = dict(self._where)
         if "hub" in where:
             where["token"] = Path(self._token_file).read_text().strip()
         options = dict(self._options, group=None if role == "trainer" else (self._options["group"] or replica_group()))
+        if options["node"] is None and where.get("cluster") and not _on_ray(where["cluster"]):
+            options["node"] = socket.gethostname()  # a cluster Ray does not run: the host name, as outside Ray
         return connect(**where, name=name, role=f"verl-{role}", reliable=reliable, **options)
+
+
+def _on_ray(cluster: str) -> bool:
+    """Whether the Ray cluster we run in runs TensorHub cluster ``cluster`` (``launcher:
+    ray``: it places us by our Ray node, so no node needs naming)."""
+    from ..launch.ray_lookup import clusters, in_ray
+
+    return in_ray() and any(name == cluster for name, _ in clusters())
 
 
 def step_version(global_steps: object) -> int:

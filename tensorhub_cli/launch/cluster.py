@@ -24,6 +24,12 @@ Each restart is recorded as it returns; a failure stops nothing that lived and
 raises ``ReconcileError`` (an ``UpError``); what it did restart stays recorded (``th down`` stops it, another
 ``th up`` retries the rest). Nothing died: ``AlreadyRunning``.
 
+Launcher ``ray``: the spec given names a Ray cluster, not nodes; ``up`` first resolves
+it against the live Ray nodes (``ray_nodes``) and runs that spec (``spec.yaml``; the
+given one is kept as ``given.yaml``, which ``reconcile`` compares), and ends by starting
+the cluster's follower (``ray_follow``: joins get agents, leaves are failed over);
+``down`` stops the follower first and kills any actor of the cluster left at the end.
+
 Every wait has a limit the caller may set: ``up(timeout=)`` for registration (and
 ``call_timeout`` per status request to the hub), ``down(stop_timeout=)`` per process,
 ``processes_alive(connect_timeout=)`` per unreachable node. ssh connections take the
@@ -45,6 +51,7 @@ from ..hub.client import HubClient, HubError, HubUnreachable
 from ..spec import ClusterSpec, SpecError, load, resolve_path
 from ..spec.diff import changed_fields
 from .launchers import UpError, endpoint_timeout_args, launcher_for, ucx_net_devices_args
+from .ray_follow import write_spec
 from .procs import STOP_TIMEOUT_S, endpoint_name
 from .state import ClusterState, clear_state, cluster_dir, read_state, read_token, write_state, write_token
 
@@ -105,27 +112,40 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
     """A fresh cluster (its ``ClusterState``), or, when recorded processes of it still
     live, ``reconcile`` (a ``Reconciled``)."""
     d = cluster_dir(spec.name)
+    from .ray_launcher import RayLauncherError
     from .ssh import SshError
 
-    launcher = launcher_for(spec.launcher, spec, d)
+    given, given_yaml = spec, None
     try:
+        launcher = launcher_for(spec.launcher, spec, d)
+        if spec.launcher == "ray":  # its nodes are the Ray cluster's, as it has them now
+            given_yaml = spec_path.read_text()
+            spec = launcher.resolve(given)
         old = read_state(spec.name)
         if old is not None:
             alive = [launcher.alive(r) for r in old.procs]
             if any(alive):
-                return reconcile(spec, old, alive, launcher, timeout, log, call_timeout)
+                return reconcile(spec, old, alive, launcher, timeout, log, call_timeout, given=given,
+                                 given_yaml=given_yaml)
             log(f"cluster {spec.name!r}: clearing stale state of a cluster that is no longer running")
             clear_state(spec.name)
         problems = launcher.preflight()
     except SshError as exc:
+        if isinstance(exc, RayLauncherError):
+            raise UpError(str(exc)) from None
         raise UpError(f"cannot check the old cluster's processes: {exc}; run `th down -c {spec.name}`") from None
     finally:
-        launcher.close()
+        if "launcher" in locals():
+            launcher.close()
     if problems:
         raise UpError("\n".join(problems))
 
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(spec_path, d / "spec.yaml")
+    if given_yaml is not None:  # ray: the spec as written (reconcile compares it), and as resolved
+        shutil.copyfile(spec_path, d / "given.yaml")
+        write_spec(spec, d / "spec.yaml")
+    else:
+        shutil.copyfile(spec_path, d / "spec.yaml")
     write_token(spec.name, _token(spec, spec_path))
     hub_node = spec.node(spec.hub.node)
     state = ClusterState(
@@ -159,6 +179,9 @@ def up(spec: ClusterSpec, spec_path: Path, timeout: float = AGENTS_REGISTER_TIME
             raise UpError("\n".join(problems))
         wait_registered(spec, state, launcher, timeout, call_timeout)
         start_runners(spec, state, log)
+        if given_yaml is not None:
+            launcher.follow(given_yaml)
+            log(f"follow  Ray nodes that join or leave (every {spec.ray_or_default().follow_s:g}s)")
     except SshError as exc:
         down_state(state, launcher, log=lambda *_: None)
         raise UpError(str(exc)) from None
@@ -193,23 +216,30 @@ def finished(launcher, rec) -> dict | None:
 
 
 def reconcile(spec: ClusterSpec, state: ClusterState, alive: list[bool], launcher, timeout: float, log=print,
-              call_timeout: float = STATUS_CALL_TIMEOUT_S) -> Reconciled:
+              call_timeout: float = STATUS_CALL_TIMEOUT_S, given: ClusterSpec | None = None,
+              given_yaml: str | None = None) -> Reconciled:
     """Restart what died of a running cluster, leave what lives (module docstring).
     ``alive[i]``: whether ``state.procs[i]`` still runs. The caller closes
-    ``launcher``."""
+    ``launcher``. Launcher ``ray``: ``spec`` is resolved from the Ray nodes, ``given``
+    is the spec as written (compared with the cluster's ``given.yaml``), and
+    ``given_yaml`` its text: the follower is started again if it is gone."""
     from . import scale
     from .ssh import SshError
 
     d = cluster_dir(spec.name)
+    copy = d / ("given.yaml" if given_yaml is not None else "spec.yaml")
     try:
-        running = load(d / "spec.yaml")
+        running = load(copy)
     except (OSError, SpecError) as exc:
-        raise ReconcileError(f"cluster {spec.name!r} runs, but its spec copy {d / 'spec.yaml'} is unreadable "
+        raise ReconcileError(f"cluster {spec.name!r} runs, but its spec copy {copy} is unreadable "
                              f"({exc}); stop it with `th down -c {spec.name}`") from None
-    changes = changed_fields(running, spec)
+    changes = changed_fields(running, given or spec)
     if changes:
         raise SpecChanged(f"cluster {spec.name!r} is running another spec: changed {', '.join(changes)}; "
                           f"nothing changed (to run this spec: `th down -c {spec.name}`, then `th up`)")
+    if given_yaml is not None:  # ray: the nodes it has now; a lost follower starts again
+        write_spec(spec, d / "spec.yaml")
+        launcher.follow(given_yaml)
     dead = [r for r, ok in zip(state.procs, alive) if not ok]
     living = [r for r, ok in zip(state.procs, alive) if ok]
     done = [(r, finished(launcher, r)) for r in dead if r.role not in ("hub", "agent")]
@@ -340,6 +370,8 @@ def down_state(state: ClusterState, launcher, log=print,
     hubs = [r for r in state.procs if r.role == "hub"]
     results = []
     try:
+        if hasattr(launcher, "before_down"):  # ray: its follower must not fail over what we stop
+            launcher.before_down()
         for batch in (runners, agents, hubs):
             if not batch:
                 continue
@@ -350,6 +382,9 @@ def down_state(state: ClusterState, launcher, log=print,
                 log(f"{rec.role:<7} {rec.node:<12} {outcome}")
                 if rec.role == "agent" and outcome != "stopped":  # a clean exit cleared its own store
                     _clear_store(state, launcher, rec, log)
+        if hasattr(launcher, "after_down"):  # ray: no actor of the cluster outlives it
+            for name in launcher.after_down():
+                log(f"actor   {name:<12} killed (left unrecorded)")
     finally:
         launcher.close()
     if all(not outcome.startswith("unknown") for *_, outcome in results):

@@ -1,6 +1,6 @@
 """Which launcher runs a cluster's processes, and the flags every endpoint process gets.
 
-``launcher_for(kind, spec, state_dir)`` returns the local or the ssh launcher (both:
+``launcher_for(kind, spec, state_dir)`` returns the local, ssh or ray launcher (each:
 start, alive, stop, logs by ``ProcRecord``); ``endpoint_timeout_args(spec)`` turns the
 spec's ``endpoints`` limits into the flags agents and runners take, and
 ``ucx_net_devices_args(node)`` the node's ``ucx_net_devices`` into the flag by which
@@ -31,7 +31,11 @@ def launcher_for(kind: str, spec: ClusterSpec | None, state_dir: Path, connect_t
         from .ssh import SshLauncher
 
         return SshLauncher(spec or load(state_dir / "spec.yaml"), state_dir, connect_timeout)
-    raise UpError(f"launcher {kind!r} is unknown (known: local, ssh)")
+    if kind == "ray":
+        from .ray_launcher import RayLauncher
+
+        return RayLauncher(spec, state_dir)
+    raise UpError(f"launcher {kind!r} is unknown (known: local, ssh, ray)")
 
 
 def endpoint_timeout_args(spec: ClusterSpec) -> list[str]:

@@ -17,6 +17,8 @@ Problem = tuple[Loc, str]
 
 
 def _node_locs(spec: ClusterSpec):
+    if spec.topology is None:  # launcher 'ray' before its nodes are resolved
+        return
     for d, dc in enumerate(spec.topology.datacenters):
         for r, rack in enumerate(dc.racks):
             for n, node in enumerate(rack.nodes):
@@ -32,9 +34,10 @@ def check_names(spec: ClusterSpec) -> list[Problem]:
     nodes = list(_node_locs(spec))
     problems = _duplicates([(loc + ("name",), n.name) for loc, n in nodes], "node name")
     problems += _duplicates([(loc + ("address",), n.address) for loc, n in nodes], "node address")
-    dcs = [(("topology", "datacenters", i, "name"), dc.name) for i, dc in enumerate(spec.topology.datacenters)]
+    datacenters = spec.topology.datacenters if spec.topology else []
+    dcs = [(("topology", "datacenters", i, "name"), dc.name) for i, dc in enumerate(datacenters)]
     problems += _duplicates(dcs, "datacenter name")
-    for d, dc in enumerate(spec.topology.datacenters):
+    for d, dc in enumerate(datacenters):
         racks = [(("topology", "datacenters", d, "racks", r, "name"), rk.name) for r, rk in enumerate(dc.racks)]
         problems += _duplicates(racks, f"rack name in datacenter {dc.name!r}")
     models = [(("models", i, "name"), m.name) for i, m in enumerate(spec.models)]
@@ -44,12 +47,15 @@ def check_names(spec: ClusterSpec) -> list[Problem]:
 
 def check_references(spec: ClusterSpec) -> list[Problem]:
     names = {n.name for _, n in _node_locs(spec)}
-    dcs = {dc.name for dc in spec.topology.datacenters}
     problems: list[Problem] = []
-    if spec.hub.node not in names:
+    # With launcher 'ray' the hub's node may name a Ray node not listed (or an address).
+    if spec.hub.node is not None and spec.hub.node not in names and spec.launcher != "ray":
         problems.append((("hub", "node"), f"unknown node {spec.hub.node!r}"))
     if spec.hub.metrics_port is not None and spec.hub.metrics_port == spec.hub.port:
         problems.append((("hub", "metrics_port"), "must differ from hub.port"))
+    if spec.topology is None:
+        return problems
+    dcs = {dc.name for dc in spec.topology.datacenters}
     pairs: set[frozenset[str]] = set()
     for i, link in enumerate(spec.topology.links):
         loc = ("topology", "links", i, "between")
@@ -62,7 +68,7 @@ def check_references(spec: ClusterSpec) -> list[Problem]:
         if pair in pairs:
             problems.append((loc, f"second link between {sorted(pair)}"))
         pairs.add(pair)
-    if len(dcs) > 1:
+    if len(dcs) > 1 and spec.launcher != "ray":  # ray: DCs come from node labels; a link is optional
         linked = {end for link in spec.topology.links for end in link.between}
         for i, dc in enumerate(spec.topology.datacenters):
             if dc.name not in linked:
@@ -78,19 +84,28 @@ def check_roles(spec: ClusterSpec) -> list[Problem]:
     for role_name, role in spec.roles.items():
         loc = ("roles", role_name)
         for j, node in enumerate(role.select.nodes or []):
-            if node not in names:
+            if node not in names and spec.launcher != "ray":  # ray: nodes join later
                 problems.append((loc + ("select", "nodes", j), f"unknown node {node!r}"))
         if role.count % role.group_size != 0:
             problems.append(
                 (loc + ("group_size",), f"group_size {role.group_size} does not divide count {role.count}")
             )
-        if role.count > 0 and not select_nodes(spec, role_name):
+        if role.count > 0 and not select_nodes(spec, role_name) and spec.launcher != "ray":
             problems.append((loc + ("select",), "selects no node, but count > 0"))
     return problems
 
 
 def check_launcher(spec: ClusterSpec) -> list[Problem]:
     problems: list[Problem] = []
+    if spec.launcher == "ray":
+        return problems  # nodes, hub node and addresses come from Ray (launch.ray_nodes)
+    if spec.topology is None:
+        problems.append((("topology",), f"required with launcher {spec.launcher!r} (the nodes it starts on); "
+                                        "only launcher 'ray' takes its nodes from the Ray cluster"))
+    if spec.hub.node is None:
+        problems.append((("hub", "node"), f"required with launcher {spec.launcher!r}: the node that runs the hub"))
+    if spec.ray is not None:
+        problems.append((("ray",), f"only for launcher 'ray' (this spec has launcher {spec.launcher!r})"))
     if spec.launcher != "local":
         return problems
     for loc, node in _node_locs(spec):

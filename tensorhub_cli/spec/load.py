@@ -167,7 +167,7 @@ def _drop_boolean_keys(data: object, seen: set | None = None) -> object:
 
 
 # Top-level sections with a default: a bad one is set aside (as if absent) for the cross-checks.
-_OPTIONAL = frozenset(("auth", "launcher", "ssh", "engine", "roles", "models", "endpoints"))
+_OPTIONAL = frozenset(("auth", "launcher", "ssh", "ray", "engine", "roles", "models", "endpoints"))
 
 
 def _cut_point(loc: Loc) -> Loc | None:

@@ -25,7 +25,11 @@ class Strict(BaseModel):
 
 
 class HubSpec(Strict):
-    node: str = Field(description="node that runs the hub")
+    node: Optional[str] = Field(
+        default=None,
+        description="node that runs the hub (required, except with launcher 'ray': a node's name or address; "
+                    "default the Ray head node)",
+    )
     port: int = Field(default=7700, ge=1, le=65535)
     metrics_port: Optional[int] = Field(
         default=None, ge=1, le=65535, description="prometheus /metrics; off when absent"
@@ -212,14 +216,38 @@ class EndpointsSpec(Strict):
     )
 
 
+class RaySpec(Strict):
+    """Where the Ray cluster is (``launcher: ray``) and how its nodes are placed."""
+
+    address: str = Field(default="auto", min_length=1,
+                         description="the Ray cluster to join, as ray.init takes it: 'auto' (the one this "
+                                     "machine is a node of) or HOST:PORT of its head's GCS")
+    namespace: Name = Field(default="tensorhub", description="the Ray namespace of the cluster's actors")
+    node_label: str = Field(default="tensorhub.io/node", min_length=1,
+                            description="Ray node label naming the TensorHub node (default: ray-<IP>)")
+    rack_label: str = Field(default="tensorhub.io/rack", min_length=1,
+                            description="Ray node label (or custom resource 'LABEL=VALUE') giving the rack")
+    dc_label: str = Field(default="tensorhub.io/dc", min_length=1,
+                          description="Ray node label (or custom resource 'LABEL=VALUE') giving the datacenter")
+    follow_s: float = Field(default=1.0, gt=0, le=60,
+                            description="how often the cluster looks for Ray nodes that joined or left")
+    start_timeout_s: float = Field(default=60.0, gt=0, le=3600,
+                                   description="one actor scheduled and its process started")
+
+
 class ClusterSpec(Strict):
     name: Name
     hub: HubSpec
     auth: AuthSpec = Field(default_factory=AuthSpec)
-    launcher: Literal["local", "ssh"] = "local"
+    launcher: Literal["local", "ssh", "ray"] = "local"
     ssh: SshDefaults = Field(default_factory=SshDefaults)
+    ray: Optional[RaySpec] = Field(default=None, description="launcher 'ray': the Ray cluster (default: 'auto')")
     engine: Literal["nixl", "tcp"] = "nixl"
-    topology: TopologySpec
+    topology: Optional[TopologySpec] = Field(
+        default=None,
+        description="datacenters, racks and nodes (required, except with launcher 'ray', whose nodes come from "
+                    "Ray: there a node listed here by its Ray address overrides its name and place)",
+    )
     roles: dict[str, RoleSpec] = Field(default_factory=dict)
     models: list[ModelSpec] = Field(default_factory=list)
     endpoints: EndpointsSpec = Field(default_factory=EndpointsSpec)
@@ -227,6 +255,8 @@ class ClusterSpec(Strict):
     # --- derived views (pure) -------------------------------------------------------
 
     def nodes(self) -> list["PlacedNode"]:
+        if self.topology is None:  # a ray spec before its nodes are resolved (launch.ray_nodes)
+            return []
         return [
             PlacedNode(dc=dc.name, rack=rack.name, spec=node)
             for dc in self.topology.datacenters
@@ -246,6 +276,9 @@ class ClusterSpec(Strict):
             return self.ssh
         override = node.ssh.model_dump(exclude_none=True)
         return self.ssh.model_copy(update=override)
+
+    def ray_or_default(self) -> RaySpec:
+        return self.ray or RaySpec()
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
