@@ -5,7 +5,8 @@ Exit codes: 0 ok; 1 the operation failed (hub unreachable, start-up timed out);
 through ``ui.console.fail`` as ``th COMMAND: message`` (spec problems as the
 ``path.to.field: message`` lines `th spec check` lists); results go to stdout,
 progress to stderr or, for `th up`/`th down`, stdout (``-q`` silences progress).
-Help follows ``ui.helpstyle``; ``th bench`` lives in ``bench/cli.py``.
+Help follows ``ui.helpstyle``; ``th bench`` lives in ``bench/cli.py``, the read commands
+(status, versions) in ``cli_views.py``.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-import msgspec
 import typer
 
 from . import spec as specmod
 from .bench.cli import bench
-from .ui.console import entered, err, fail, out, plain, set_quiet, step
+from .cli_views import ClusterOpt, JsonFlag, load_running, status, versions
+from .ui.console import entered, err, fail, out, set_quiet, step
 from .ui.helpstyle import ThGroup
 
 app = typer.Typer(cls=ThGroup, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
@@ -31,9 +31,6 @@ spec_app = typer.Typer(cls=ThGroup, no_args_is_help=True, help="Check a cluster 
 app.add_typer(spec_app, name="spec")
 app.add_typer(bench, name="bench")
 
-ClusterOpt = typer.Option(None, "-c", "--cluster", metavar="NAME",
-                          help="cluster started by `th up` (default: the only/last one)")
-JsonFlag = typer.Option(False, "--json", help="print one JSON document, for scripts")
 
 
 def _version(value: bool) -> None:
@@ -168,147 +165,8 @@ def down(cluster: Optional[str] = ClusterOpt,
     out.print(f"cluster {name!r} is down")
 
 
-def _load_running(cluster: Optional[str]):
-    from .launch.state import pick_cluster, read_state
-
-    try:
-        name = pick_cluster(cluster)
-    except LookupError as exc:
-        fail(exc.args[0], 2)
-    state = read_state(name)
-    if state is None:
-        fail(f"cluster {name!r} is not running (start it with `th up FILE`)", 2)
-    return name, state
-
-
-def _ask_hub(name: str, state, op, timeout: float = 3.0):
-    """One request to the cluster's hub → (reply, None) or (None, the HubError/HubUnreachable)."""
-    from .hub.client import HubClient, HubError, HubUnreachable
-    from .launch.state import read_token
-
-    client = HubClient(state.hub_address, read_token(name))
-    try:
-        return client.call(op, timeout=timeout), None
-    except (HubUnreachable, HubError) as exc:
-        return None, exc
-    finally:
-        client.close()
-
-
-@app.command()
-def status(cluster: Optional[str] = ClusterOpt, as_json: bool = JsonFlag,
-           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C (redrawn in place on a terminal, "
-                                      "one snapshot after another when piped)"),
-           interval: float = typer.Option(1.0, min=0.2, metavar="SECONDS",
-                                          help="--watch: seconds between refreshes")) -> None:
-    """Hub, nodes (alive, rack, DC) in spec order, endpoints, versions and hub counters;
-    --watch adds fetch progress (agents too) and events."""
-    from .hub import protocol as p
-    from .hub.client import HubUnreachable
-    from .launch.cluster import processes_alive, proc_key
-    from .launch.procs import endpoint_name
-    from .launch.state import cluster_dir
-    from .ui.status import hub_down_hint, render_status
-
-    if watch and as_json:
-        fail("--watch and --json do not go together (--json is one snapshot, for scripts)", 2)
-    name, state = _load_running(cluster)
-    try:
-        places = {n.name: (n.rack, n.dc) for n in specmod.load(cluster_dir(name) / "spec.yaml").nodes()}
-    except specmod.SpecError:
-        places = {}
-    if watch:
-        _watch(name, state, places, interval)
-        return
-    reply, problem = _ask_hub(name, state, p.Status())
-    alive = processes_alive(name, state)
-    if as_json:
-        doc = {
-            "cluster": name,
-            "hub": {"address": state.hub_address, "reachable": reply is not None, "error": plain(str(problem)) if problem else None,
-                    "pid": state.procs[0].pid if state.procs else None},
-            "processes": [{"role": r.role, "node": r.node, "name": endpoint_name(r),
-                           "rack": places.get(r.node, ("", ""))[0], "dc": places.get(r.node, ("", ""))[1],
-                           "pid": r.pid, "running": alive[proc_key(r)], "log": r.log} for r in state.procs],
-            "status": msgspec.to_builtins(reply) if reply else None,
-            # spec nodes without an agent (`th failover` took them out; `th up SPEC` brings them back)
-            "out_of_service": [n for n in places if not any(r.role == "agent" and r.node == n for r in state.procs)],
-        }
-        print(json.dumps(doc, indent=2))
-    else:
-        render_status(out, state, reply, alive, places)
-        if problem:
-            err.print(f"hub: {plain(str(problem))}", markup=False, highlight=False, soft_wrap=True)
-    if reply is None:
-        if isinstance(problem, HubUnreachable):  # down, not a refusal (a wrong token says so above)
-            err.print(f"th status: {hub_down_hint(state, alive, cluster_dir(name) / 'spec.yaml')}", markup=False,
-                      highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
-
-
-def _watch(name: str, state, places, interval: float) -> None:
-    """Redrawn in place on a terminal; elsewhere (a pipe, a file) rich Live would show
-    nothing until the end, so each refresh is printed whole after a timestamp line."""
-    import contextlib
-
-    from rich.live import Live
-
-    from .hub import protocol as p
-    from .launch.cluster import processes_alive
-    from .ui.watch import Watch
-
-    view = Watch()
-    live = Live(console=out, auto_refresh=False, screen=False) if out.is_terminal else None
-    try:
-        with live or contextlib.nullcontext():
-            while True:
-                reply, problem = _ask_hub(name, state, p.Status(), timeout=min(3.0, interval * 3))
-                shown = view.render(time.monotonic(), state, reply, processes_alive(name, state), places)
-                shown = shown if problem is None else _with_problem(shown, problem)
-                if live is not None:
-                    live.update(shown, refresh=True)
-                else:
-                    out.print(f"--- th status --watch -c {name}, {time.strftime('%H:%M:%S')} ---", highlight=False)
-                    out.print(shown)
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
-
-
-def _with_problem(shown, problem):
-    from rich.console import Group
-    from rich.text import Text
-
-    return Group(shown, Text(f"hub: {plain(str(problem))}", style="red"))
-
-
-@app.command()
-def versions(model: Optional[str] = typer.Argument(None, help="only this model"), cluster: Optional[str] = ClusterOpt,
-             as_json: bool = JsonFlag) -> None:
-    """Versions the hub knows: state (STAGING, READY, UNAVAILABLE), size, who holds them,
-    and why a copy stays (retention); a legend under the table says what each column means."""
-    from .hub import protocol as p
-    from .hub.client import HubUnreachable
-    from .launch.state import cluster_dir
-    from .ui.status import Retention, hub_down_hint, render_versions
-
-    name, state = _load_running(cluster)
-    reply, problem = _ask_hub(name, state, p.Versions(model=model))
-    if reply is None and isinstance(problem, HubUnreachable):
-        from .launch.cluster import processes_alive
-
-        fail(f"{problem}: {hub_down_hint(state, processes_alive(name, state), cluster_dir(name) / 'spec.yaml')}", 1)
-    if reply is None:
-        fail(str(problem), 2 if getattr(problem, "code", None) == "not_found" else 1)
-    if as_json:
-        print(json.dumps(msgspec.to_builtins(reply.versions), indent=2))
-        return
-    try:
-        declared = specmod.load(cluster_dir(name) / "spec.yaml").models
-    except specmod.SpecError:
-        declared = []
-    render_versions(out, reply.versions, {m.name: Retention(m.retain.keep_latest, m.retain.min_reliable_copies)
-                                          for m in declared})
+app.command()(status)
+app.command()(versions)
 
 
 def _hub_client(name: str, state):
@@ -341,7 +199,7 @@ def publish(model: str = typer.Argument(..., help="model name, e.g. policy"),
         check_model(model, "MODEL")
     except ValueError as exc:
         fail(f"th publish: {exc}", 2)
-    name, state = _load_running(cluster)
+    name, state = load_running(cluster)
     spec = specmod.load(cluster_dir(name) / "spec.yaml")
     node = node or spec.hub.node
     if node not in {n.name for n in spec.nodes()}:
@@ -401,7 +259,7 @@ def sync(model: str = typer.Argument(..., help="model name"),
         fail("th sync: give exactly one of --role ROLE or --node NODE", 2)
     if version != "latest" and not version.isdigit():
         fail(f"th sync: --version must be a number or 'latest', got {version!r}", 2)
-    name, state = _load_running(cluster)
+    name, state = load_running(cluster)
     client = _hub_client(name, state)
 
     def log(line: str) -> None:
@@ -451,7 +309,7 @@ def unpublish(model: str = typer.Argument(..., help="model name"),
         check_model(model, "MODEL")
     except ValueError as exc:
         fail(f"th unpublish: {exc}", 2)
-    name, state = _load_running(cluster)
+    name, state = load_running(cluster)
     try:
         done = do_unpublish(name, state, model, version, node, timeout,
                             log=lambda line: err.print(f"th unpublish: {line}", highlight=False, markup=False))
@@ -471,7 +329,7 @@ def logs(node: str = typer.Argument(..., help="node name, or 'hub'"), cluster: O
     from .launch.cluster import logs as node_logs
     from .launch.ssh import SshError
 
-    name, state = _load_running(cluster)
+    name, state = load_running(cluster)
     try:
         node_logs(name, state, node, lines, follow, lambda text: print(text, end="", flush=True))
     except LookupError as exc:
@@ -486,7 +344,7 @@ def _operate(cluster: Optional[str], as_json: bool, action):
     """Run a ``scale``/``failover`` action; print what moved (or its JSON); returns the outcome."""
     from .launch.scale import BadInput, ScaleError, run
 
-    name, state = _load_running(cluster)
+    name, state = load_running(cluster)
     try:
         outcome = run(name, state, action, log=(lambda *_: None) if as_json else (lambda line: step(line, err)))
     except ScaleError as exc:
@@ -525,7 +383,7 @@ def failover(node: str = typer.Argument(..., help="the node to take out of servi
 
     _operate(cluster, as_json, lambda op: op.failover(node, replace_with))
     if not as_json:
-        name, _ = _load_running(cluster)
+        name, _ = load_running(cluster)
         step(f"{node} is out of service; to bring it back: `th up SPEC` (the spec the cluster runs; a copy is "
              f"{cluster_dir(name) / 'spec.yaml'})", err)
 

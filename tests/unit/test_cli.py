@@ -179,12 +179,12 @@ def test_quiet_drops_progress_lines(th_home, fake_cluster):
 
 
 def test_errors_name_the_command_and_never_a_protocol_code(th_home, fake_cluster, monkeypatch):
-    from tensorhub_cli import cli
+    from tensorhub_cli import cli_views
     from tensorhub_cli.hub import protocol as p
     from tensorhub_cli.hub.client import HubError
 
     refused = HubError(p.Error(code="not_found", message="model 'polcy' has no versions"))
-    monkeypatch.setattr(cli, "_ask_hub", lambda *a, **k: (None, refused))
+    monkeypatch.setattr(cli_views, "ask_hub", lambda *a, **k: (None, refused))
     result = runner.invoke(app, ["versions", "polcy", "-c", fake_cluster])
     assert result.exit_code == 2
     assert result.output.strip() == "th versions: model 'polcy' has no versions", result.output

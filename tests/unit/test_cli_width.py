@@ -100,7 +100,7 @@ def a_status() -> p.StatusReply:
 
 @pytest.fixture
 def hub_answers(monkeypatch, fake_cluster):
-    from tensorhub_cli import cli
+    from tensorhub_cli import cli_views
     from tensorhub_cli.launch import cluster
 
     reply = a_status()
@@ -108,7 +108,7 @@ def hub_answers(monkeypatch, fake_cluster):
     def ask(name, state, op, timeout=3.0):
         return (reply if isinstance(op, p.Status) else p.VersionsReply(versions=reply.versions)), None
 
-    monkeypatch.setattr(cli, "_ask_hub", ask)
+    monkeypatch.setattr(cli_views, "ask_hub", ask)
     monkeypatch.setattr(cluster, "processes_alive", lambda name, state, **k: {
         ("hub", "node1"): True, **{("agent", n): True for n in NODES}})
     return fake_cluster
