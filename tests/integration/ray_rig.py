@@ -81,35 +81,24 @@ class RayNode:
     def stop(self, timeout: float = 20.0) -> list[int]:
         """Stop it and everything it started; the PIDs still alive after SIGKILL (none)."""
         procs = self.tree()
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
+        _each(procs, lambda p: p.send_signal(signal.SIGTERM))
         _, alive = psutil.wait_procs(procs, timeout=timeout)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        self.out.close()
-        return [p.pid for p in alive]
+        _each(alive, psutil.Process.kill)
+        return self._reaped(alive, 5)
 
     def kill(self) -> list[int]:
         """The node dies at once (SIGKILL to its whole tree): Ray sees it leave."""
         procs = self.tree()
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        self.proc.wait(5)
+        _each(procs, psutil.Process.kill)
+        return self._reaped(procs, 10)
+
+    def _reaped(self, procs: list[psutil.Process], timeout: float) -> list[int]:
+        """Wait for ``procs`` and our own child; the PIDs still alive."""
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         self.out.close()
         return [p.pid for p in alive]
 
@@ -184,3 +173,12 @@ class VerlWorker:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _each(procs: list[psutil.Process], act) -> None:
+    """``act`` on every process still there."""
+    for p in procs:
+        try:
+            act(p)
+        except psutil.NoSuchProcess:
+            pass
