@@ -43,9 +43,9 @@ def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
             restore(hub, now, op.info.name, holding)
         except HubFault:
             hub.count("errors.holding")  # one stale holding must not cost the others
-    for v, reader in hub.unplaced.pop(op.info.name, []):
+    for v, reader, chunk in hub.unplaced.pop(op.info.name, []):
         if reader in hub.endpoints and op.info.name in v.reads.get(reader, {}).values():
-            note_seed(hub, v, reader, op.info.name)
+            note_seed(hub, v, reader, op.info.name, chunk)
     settle(hub, now)
     return p.Ok()
 

@@ -99,6 +99,9 @@ class Read(Msg):
     # The source holds only the tiles of this chunk a reader of its own layout needs
     # (``Plan.layout``): read its staged tiles as they lie, not the chunk.
     partial: bool = False
+    # A scheduled read (``Plan.schedule``) whose source will hold the chunk but does
+    # not yet: wait for the source's notice (``wire.Await``), then read.
+    ready: bool = True
 
 
 class Holding(Msg):
@@ -169,6 +172,10 @@ class Plan(Msg, tag="plan"):
     # chunks), which need exactly those tiles.
     partial: list[int] = []
     layout: str = ""
+    # A schedule, not a window: a read for every chunk still needed, from holders that
+    # may not hold it yet (``Read.ready``); asked again only with progress or failures
+    # (hub/scheduling.py). Ignored for readers of another layout and retention pulls.
+    schedule: bool = False
 
 
 class Progress(Msg, tag="progress"):

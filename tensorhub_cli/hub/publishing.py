@@ -158,18 +158,21 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
         if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source != name:
             hub.pin(v, name, r.chunk, r.source)
             if r.source in hub.endpoints:
-                note_seed(hub, v, name, r.source)
+                note_seed(hub, v, name, r.source, r.chunk)
             else:  # its DC is known once it re-registers
-                hub.unplaced.setdefault(r.source, []).append((v, name))
+                hub.unplaced.setdefault(r.source, []).append((v, name, r.chunk))
     if v.refresh() == READY:
         drop_old(hub, h.model)
 
 
-def note_seed(hub: HubState, v: Version, reader: str, source: str) -> None:
-    """A rebuilt read across a DC link makes its reader that DC's seed again."""
+def note_seed(hub: HubState, v: Version, reader: str, source: str, chunk: int) -> None:
+    """A rebuilt read across a DC link makes its reader that DC's seed again, and the
+    DC's feeder of that chunk (scheduled readers there get it from the reader)."""
     dc = hub.endpoints[reader].place.dc
     if hub.endpoints[source].place.dc != dc:
         v.seeds.setdefault(dc, reader)
+        if v.swarms.feeder(dc, chunk) is None:
+            v.swarms.crossed(dc, reader, 1 << chunk)
 
 
 def check_cover(model: str, number: int, world: int, shards: dict[int, p.Manifest]) -> None:

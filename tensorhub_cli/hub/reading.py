@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import zlib
 
-from ..planner import LEVELS, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
+from ..planner import LEVELS, REMOTE, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
+from . import scheduling
 from .draining import drop_old, settle
 from .faults import HubFault
 from .publishing import index
@@ -58,8 +59,11 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     window = max(1, min(op.window, hub.config.max_window))
     needed = want & ~rep.held & ~assigned
     limit = window - len(reads)
+    scheduled = op.schedule and not op.layout and op.name not in v.pulls
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
-    if limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)
+    if scheduled:
+        result = scheduling.assign(hub, now, v, reader, want, want & ~rep.held & ~assigned)
+    elif limit > 0 and needed:  # (a full window, the common reply to a report, plans nothing)
         walk = Walk(
             Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls,
                    v.layouts.get(op.layout, {}) if op.layout else {}),
@@ -75,16 +79,28 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     # A reader of another layout may hold none of these chunks whole: nobody waits for it to relay them.
     _account(hub, now, v, reader, result.assigned, relays=not op.layout)
     if result.crossed:
+        # One seed per DC for windowed plans; every crossing, scheduled or not, feeds
+        # the DC's scheduled readers (``Swarms.feeders``): a chunk crosses once.
         v.seeds[reader.place.dc] = op.name
+        if not scheduled:
+            v.swarms.crossed(reader.place.dc, op.name,
+                             sum(1 << c for c, _, level in result.assigned if level == REMOTE))
     hub.count("plans")
     # Reads restored after a hub restart whose source has not re-registered stay
     # pinned but unlisted: the reader finishes or fails them on its own.
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout)) for c, s in sorted(reads.items())],
+        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout), ready=_ready(v, s, c))
+               for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,
     )
+
+
+def _ready(v: Version, source: str, chunk: int) -> bool:
+    """The source holds the chunk now (whole, or as tiles): else it is scheduled to."""
+    rep = v.replicas.get(source)
+    return rep is None or bool(rep.held >> chunk & 1) or any(t.get(source, 0) >> chunk & 1 for t in v.layouts.values())
 
 
 def _partial(v: Version, source: str, chunk: int, layout: str) -> bool:
@@ -175,6 +191,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
         if v.reads.get(op.name, {}).get(r.chunk) == r.source:
             hub.unpin(v, op.name, r.chunk)
             v.avoid.setdefault(op.name, set()).add(r.source)
+            v.swarms.unfeed(hub.endpoints[op.name].place.dc, r.chunk, r.source)
             hub.count("reads_failed")
     hub.count("chunks_reported", len(op.chunks))
     was = v.state

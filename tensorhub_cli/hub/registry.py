@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..planner import HolderIndex
+from ..planner.schedule import Swarms
 from . import protocol as p
 
 STAGING, READY, UNAVAILABLE = "STAGING", "READY", "UNAVAILABLE"
@@ -92,6 +93,9 @@ class Version:
     # the tiles of, which serve readers of that layout alone (they need exactly those
     # tiles). Not holdings: never counted for coverage, retention or ``spread``.
     layouts: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Scheduled readers (``Plan.schedule``): their swarms and each DC's feeders
+    # (``planner.schedule``; soft state: a restarted hub schedules afresh).
+    swarms: Swarms = field(default_factory=Swarms)
     # ``manifests()`` encoded, as every ``Resolved`` reply carries them, cached by the
     # service (a large model's take milliseconds to encode). Valid while ``shards`` are:
     # they never change once assembled (an equal manifest may replace one; ``set_shard``

@@ -103,7 +103,7 @@ class HubState:
         self._outbound: list[Acked | Send | Answered] = []
         self.withdrawals: dict[tuple, Withdrawal] = {}  # by withdraw_key
         # after a restart: rebuilt reads whose source has not re-registered yet
-        self.unplaced: dict[str, list[tuple[Version, str]]] = {}
+        self.unplaced: dict[str, list[tuple[Version, str, int]]] = {}  # source -> (version, reader, chunk)
 
     def count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

@@ -25,6 +25,7 @@ from ..endpoint.fetch import IDLE_MAX_S as IDLE_MAX
 from ..endpoint.fetch import IDLE_MIN_S as IDLE_MIN
 from ..endpoint.fetch import REFILL_MAX_S, REFILL_MIN_S
 from ..hub import protocol as p
+from .reader import ScheduledFetch
 
 if TYPE_CHECKING:
     from .world import World
@@ -66,7 +67,8 @@ class SimEndpoint:
 
     def fetch(self, model: str, version: int, *, want: int = 0, on_done: Callable[["Fetch"], None],
               on_error: Callable[["Fetch", p.Error], None] | None = None) -> "Fetch":
-        f = Fetch(self, model, version, want, on_done, on_error)
+        kind = ScheduledFetch if self.world.fetch_params.protocol == "schedule" else Fetch
+        f = kind(self, model, version, want, on_done, on_error)
         self.fetches.append(f)
         f.start()
         return f

@@ -11,7 +11,7 @@ function of its parameters (and, with ``hub.charge_cpu``, of this machine's spee
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -64,6 +64,8 @@ class Model(Strict):
 class Fetch(Strict):
     """A reader's loop (endpoint/fetch.py) and what its steps cost."""
 
+    protocol: Literal["schedule", "window"] = Field(
+        "schedule", description="schedule: one plan per reader, trees (hub/scheduling.py); window: a plan per window")
     window: int = Field(4, ge=1, le=1024, description="reads in flight per reader")
     report_s: float = Field(0.05, ge=0, description="results are reported at most this long after the first")
     plan_rtt_s: float = Field(0.0005, ge=0, description="a request's round trip on the wire, hub work excluded")
@@ -125,7 +127,7 @@ class Testbed(Strict):
 
     # Fitted (``calibrate.fit``, 2026-12-05, every stored file): the best point lies at the grid's
     # edge, so the reader loop costs more per chunk on the testbed than these terms name.
-    fetch: Fetch = Fetch(plan_rtt_s=0.004, verify_s=0.008, verify_gbps=1.0, start_jitter_s=0.0)
+    fetch: Fetch = Fetch(protocol="window", plan_rtt_s=0.004, verify_s=0.008, verify_gbps=1.0, start_jitter_s=0.0)
     link_efficiency: float = Field(0.93, gt=0, le=1, description="one direction, when a file has no link check")
     duplex_efficiency: Optional[float] = Field(None, gt=0, le=1, description="both directions at once, as a "
                                                "share of twice the rate, when a file has no link check")

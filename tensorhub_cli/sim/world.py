@@ -59,6 +59,9 @@ class World:
         self._by_endpoint: dict[str, set[int]] = {}
         self._beating: list[SimEndpoint] = []
         self.chunk_sizes: dict[tuple, list[int]] = {}  # (model, version) -> bytes per chunk, from a Resolve
+        # Scheduled readers (sim/reader.py): what each endpoint holds, and who waits for its notice.
+        self._held: dict[tuple[str, tuple], int] = {}  # (endpoint, (model, version)) -> verified chunks
+        self._waiters: dict[tuple[str, tuple], list[tuple[object, int]]] = {}
         self.hub.start_sweeps()
         self.loop.after(h.heartbeat_s, self._beat)
 
@@ -98,14 +101,48 @@ class World:
         self.kill(name)
 
     def kill(self, name: str) -> None:
-        """A failure: ``name`` stops at once, and its flows with it."""
+        """A failure: ``name`` stops at once, and its flows with it; readers waiting for
+        its notices see their waits fail after ``read_error_s``."""
         ep = self.endpoints[name]
         ep.die()
+        for (source, _), waiters in list(self._waiters.items()):
+            if source == name:
+                for fetch, _ in waiters:
+                    self.loop.after(self.fetch_params.read_error_s, fetch.await_failed, name)
+                waiters.clear()
         for fid in list(self._by_endpoint.get(name, ())):
             src, fetch, chunk = self._flows[fid]
             self.stop_transfer(fid)
             if src is ep and fetch.ep.alive:
                 self.loop.after(self.fetch_params.read_error_s, fetch.read_failed, chunk, src.name, fid)
+
+    # --- notices (a holder tells a waiting reader it has a chunk now) --------------------
+    def await_chunks(self, fetch, source: str, chunks: int) -> None:
+        src = self.endpoints.get(source)
+        if src is None or not src.alive:
+            self.loop.after(self.fetch_params.read_error_s, fetch.await_failed, source)
+            return
+        key = (source, fetch.key)
+        have = chunks if source in self.publishers else self._held.get(key, 0) & chunks
+        if have:
+            self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, source, have)
+        else:
+            self._waiters.setdefault(key, []).append((fetch, chunks))
+
+    def holds(self, ep, version_key: tuple, chunk: int) -> None:
+        """``ep`` verified ``chunk``: readers waiting for it hear so half a round trip later."""
+        key = (ep.name, version_key)
+        held = self._held[key] = self._held.get(key, 0) | 1 << chunk
+        waiters = self._waiters.get(key)
+        if not waiters:
+            return
+        keep = []
+        for fetch, chunks in waiters:
+            if chunks >> chunk & 1:
+                self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, ep.name, chunks & held)
+            else:
+                keep.append((fetch, chunks))
+        self._waiters[key] = keep
 
     # --- bytes --------------------------------------------------------------------------
     def transfer(self, src: SimEndpoint, fetch: Fetch, chunk: int, nbytes: int) -> int:

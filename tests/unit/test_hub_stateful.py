@@ -76,6 +76,9 @@ class Proc:
     reading: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
     # reads given up on whose transfer still runs: (model, version) -> {chunk: source}
     zombies: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+    # scheduled reads whose source does not hold the chunk yet (``Read.ready`` False):
+    # no transfer until the source's notice, but pinned like one
+    waiting: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
 
     @property
     def incarnation(self) -> str:
@@ -88,8 +91,9 @@ class Proc:
         return i
 
     def in_flight(self, key: tuple[str, int]) -> dict[int, str]:
-        """Every transfer into this process's memory for ``key``: reads and zombies."""
-        return {**self.reading.get(key, {}), **self.zombies.get(key, {})}
+        """Every transfer into this process's memory for ``key``: reads and zombies, and
+        the scheduled reads that will start on their source's notice."""
+        return {**self.waiting.get(key, {}), **self.reading.get(key, {}), **self.zombies.get(key, {})}
 
 
 class HubMachine(RuleBasedStateMachine):
@@ -140,6 +144,7 @@ class HubMachine(RuleBasedStateMachine):
         proc.chunks.pop(key, None)
         proc.reading.pop(key, None)
         proc.zombies.pop(key, None)
+        proc.waiting.pop(key, None)
 
     def die(self, proc: Proc) -> None:
         """A process the hub dropped loses its memory; reads from it fail."""
@@ -148,9 +153,10 @@ class HubMachine(RuleBasedStateMachine):
         proc.chunks.clear()
         proc.reading.clear()
         proc.zombies.clear()
+        proc.waiting.clear()
         self.pending = {(e, v) for e, v in self.pending if e != proc.name}
         for other in self.procs.values():
-            for reads in [*other.reading.values(), *other.zombies.values()]:
+            for reads in [*other.reading.values(), *other.zombies.values(), *other.waiting.values()]:
                 for c in [c for c, s in reads.items() if s == proc.name]:
                     del reads[c]
 
@@ -310,26 +316,45 @@ class HubMachine(RuleBasedStateMachine):
         return sorted(n for n, v in self.hub.models.get(MODEL, {}).items() if v.assembled)
 
     @precondition(lambda self: self._readable())
-    @rule(name=st.sampled_from(READERS), pick=st.integers(0, 20), window=st.integers(1, 6), data=st.data())
-    def fetch(self, name, pick, window, data):
-        """A few polls of one reader: plan, then finish some of its reads (maybe none)."""
+    @rule(name=st.sampled_from(READERS), pick=st.integers(0, 20), window=st.integers(1, 6), data=st.data(),
+          scheduled=st.booleans())
+    def fetch(self, name, pick, window, data, scheduled):
+        """A few polls of one reader: plan (a window, or a schedule), then finish some
+        of its reads (maybe none)."""
         versions = self._readable()
         number = versions[pick % len(versions)]
         for _ in range(data.draw(st.integers(1, 4))):
             if not self.procs[name].registered or number not in self.hub.models.get(MODEL, {}):
                 return
-            self._poll(name, number, window, data)
+            self._poll(name, number, window, data, scheduled)
 
-    def _poll(self, name, number, window, data):
+    def _poll(self, name, number, window, data, scheduled=False):
         proc = self.procs[name]
         v = self.hub.models[MODEL][number]
         draining, pullers = set(v.draining), set(v.pulls)
-        got = self.call(self.hub.plan, p.Plan(name=name, model=MODEL, version=number, window=window))
+        got = self.call(self.hub.plan, p.Plan(name=name, model=MODEL, version=number, window=window,
+                                              schedule=scheduled))
         if not isinstance(got, p.Planned):
             return
         reads = proc.reading.setdefault((MODEL, number), {})
         zombies = proc.zombies.get((MODEL, number), {})
+        waiting = proc.waiting.setdefault((MODEL, number), {})
         for r in got.reads:
+            if r.chunk in waiting or not r.ready:
+                # A read on a source that will hold the chunk: the answer says so exactly,
+                # and the source is no draining one unless it was scheduled before the drain.
+                assert r.source != name, "(b) scheduled onto itself"
+                assert not r.ready and not self.truly_holds(r.source, number, r.chunk) or \
+                    r.ready and self.truly_holds(r.source, number, r.chunk), \
+                    f"(m) {name}: chunk {r.chunk} from {r.source} ready={r.ready} disagrees with the truth"
+                if r.chunk not in waiting and r.chunk not in reads:
+                    assert r.source not in draining or name in pullers, f"(b) new wait on draining {r.source}"
+                if r.ready:  # the parent's notice: the transfer starts
+                    waiting.pop(r.chunk, None)
+                    reads[r.chunk] = r.source
+                elif r.chunk not in reads:
+                    waiting[r.chunk] = r.source
+                continue
             if r.chunk in zombies:
                 # still pinned on the source the transfer uses: never re-planned elsewhere
                 # while it may write into this chunk's memory
@@ -342,7 +367,7 @@ class HubMachine(RuleBasedStateMachine):
             if r.source in draining and reads.get(r.chunk) != r.source:
                 assert name in pullers, f"(b) new read from draining {r.source}"
             assert self.truly_holds(r.source, number, r.chunk), f"(b) {r.source} lacks chunk {r.chunk}"
-            if reads.get(r.chunk) != r.source:
+            if reads.get(r.chunk) != r.source and not scheduled:  # (a tree parent is not the nearest holder)
                 self.check_nearest(name, v, r, draining, pullers)
             reads[r.chunk] = r.source
         if reads and data.draw(st.booleans()):
@@ -404,12 +429,40 @@ class HubMachine(RuleBasedStateMachine):
             return
         proc.chunks.setdefault(key, set()).update(ok)
 
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def notice(self, name, data):
+        """A source tells a waiting reader it holds the chunk now: the transfer starts."""
+        proc = self.procs[name]
+        ready = [(k, c) for k, w in proc.waiting.items() for c, s in w.items() if self.truly_holds(s, k[1], c)]
+        if not proc.registered or not ready:
+            return
+        key, chunk = data.draw(st.sampled_from(sorted(ready)))
+        proc.reading.setdefault(key, {})[chunk] = proc.waiting[key].pop(chunk)
+
+    @rule(name=st.sampled_from(READERS), data=st.data())
+    def stop_waiting(self, name, data):
+        """A wait ends without the chunk (the source fell behind, died or drains): the
+        read is reported failed, and the hub schedules the chunk again (roots only)."""
+        proc = self.procs[name]
+        keys = [k for k, w in proc.waiting.items() if w]
+        if not proc.registered or not keys:
+            return
+        key = data.draw(st.sampled_from(sorted(keys)))
+        chunk = data.draw(st.sampled_from(sorted(proc.waiting[key])))
+        source = proc.waiting[key].pop(chunk)
+        got = self.call(self.hub.progress, p.Progress(name=name, model=key[0], version=key[1], chunks=[],
+                                                      failed=[p.Read(chunk=chunk, source=source)],
+                                                      incarnation=proc.incarnation))
+        if isinstance(got, HubFault) and got.code == "not_found":
+            proc.waiting.pop(key, None)
+
     @rule(name=st.sampled_from(READERS))
     def cancel(self, name):
         proc = self.procs[name]
         for key in [k for k, r in proc.reading.items() if r and not proc.zombies.get(k)]:
             # a reader cancels only once every transfer of that version has stopped
             proc.reading[key].clear()
+            proc.waiting.pop(key, None)
             self.call(self.hub.cancel, p.Cancel(name=name, model=key[0], version=key[1],
                                                 incarnation=proc.incarnation))
 
@@ -555,6 +608,7 @@ class HubMachine(RuleBasedStateMachine):
             self.procs[name].registered = False
             self.procs[name].reading.clear()
             self.procs[name].zombies.clear()
+            self.procs[name].waiting.clear()
         self.deliver()  # their pending unpublishes are answered (ok=False) before they are forgotten
         for name in dead:
             self.die(self.procs[name])
@@ -576,7 +630,8 @@ class HubMachine(RuleBasedStateMachine):
             for (model, number), rank in proc.shards.items():
                 holdings.append(p.Holding(model=model, version=number, world=len(self.manifests[number]),
                                           shards=[self.manifests[number][rank]], rank=rank))
-            live = {k for k, r in proc.reading.items() if r} | {k for k, z in proc.zombies.items() if z}
+            live = {k for k, r in proc.reading.items() if r} | {k for k, z in proc.zombies.items() if z} \
+                | {k for k, w in proc.waiting.items() if w}
             for model, number in sorted(set(proc.chunks) | live):
                 chunks = proc.chunks.get((model, number), set())
                 # zombies too: a transfer given up on still pins its source
@@ -602,8 +657,9 @@ class HubMachine(RuleBasedStateMachine):
                 proc.zombies[key].clear()
                 self.call(self.hub.progress, p.Progress(name=proc.name, model=MODEL, version=key[1], chunks=[],
                                                         failed=failed))
-            for key in [k for k, r in proc.reading.items() if r]:
-                proc.reading[key].clear()
+            for key in sorted({k for k, r in proc.reading.items() if r} | {k for k, w in proc.waiting.items() if w}):
+                proc.reading.pop(key, None)
+                proc.waiting.pop(key, None)
                 self.call(self.hub.cancel, p.Cancel(name=proc.name, model=MODEL, version=key[1]))
         for _ in range(2 * len(PROCS) + 4):
             if not self.pending and not self.hub.withdrawals:
@@ -655,16 +711,39 @@ class HubMachine(RuleBasedStateMachine):
     def g_one_reader_per_dc_crosses(self):
         if not hasattr(self, "hub"):
             return
-        crossing: dict[tuple[int, str], set[str]] = {}
+        # (g) a chunk crosses into a DC once: per (version, DC, chunk) at most one live
+        # reader reads it across the DC link (a schedule stripes the crossing over its
+        # swarms' members, so several readers may each cross different chunks).
+        crossing: dict[tuple[int, str, int], set[str]] = {}
         for proc in self.procs.values():
             if not proc.registered:
                 continue
             dc = PROCS[proc.name][2]
             for (_, number), reads in proc.reading.items():
-                if any(PROCS[s][2] != dc for s in reads.values()):
-                    crossing.setdefault((number, dc), set()).add(proc.name)
+                for chunk, s in reads.items():
+                    if PROCS[s][2] != dc:
+                        crossing.setdefault((number, dc, chunk), set()).add(proc.name)
         for key, names in crossing.items():
-            assert len(names) <= 1, f"(g) several readers cross into {key[1]} for v{key[0]}: {names}"
+            assert len(names) <= 1, f"(g) several readers bring chunk {key[2]} into {key[1]} for v{key[0]}: {names}"
+
+    @invariant()
+    def m_waits_never_form_a_cycle(self):
+        """(m) a scheduled read waits on a source that will hold the chunk; following
+        those waits chunk by chunk never comes back (a cycle would wait forever)."""
+        if not hasattr(self, "hub"):
+            return
+        edges: dict[tuple[int, int], dict[str, str]] = {}
+        for proc in self.procs.values():
+            for (_, number), w in proc.waiting.items():
+                for chunk, source in w.items():
+                    edges.setdefault((number, chunk), {})[proc.name] = source
+        for (number, chunk), parent in edges.items():
+            for start in parent:
+                seen, at = {start}, parent[start]
+                while at in parent:
+                    assert at not in seen, f"(m) v{number} chunk {chunk}: waits form a cycle through {sorted(seen)}"
+                    seen.add(at)
+                    at = parent[at]
 
     @invariant()
     def j_every_live_transfer_is_pinned(self):

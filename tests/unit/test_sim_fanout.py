@@ -24,16 +24,16 @@ def params(**hub) -> SimParams:
     return p.model_copy(update={"hub": p.hub.model_copy(update={"charge_cpu": False, **hub})})
 
 
-def world(planner: str, n: int, p: SimParams | None = None) -> World:
+def world(planner: str, n: int, p: SimParams | None = None, protocol: str = "schedule") -> World:
     fetch = Fetch(plan_rtt_s=0.0, verify_s=0.0, verify_gbps=1e9, report_s=0.0, start_jitter_s=0.0, window=4,
-                  read_error_s=0.2)
+                  read_error_s=0.2, protocol=protocol)
     fabric = Fabric(gpus_per_node=1, nodes_per_rack=64, nic_gbps=GBPS, nvlink_gbps=100.0, rack_uplink_gbps=None,
                     wan_gbps=None)
     return World(p or params(), [n + 1], planner=planner, fetch=fetch, fabric=fabric, overhead_s=0.0, exact=True)
 
 
-def fan(planner: str, n: int, kill_at: float | None = None, leave: bool = False):
-    w = world(planner, n)
+def fan(planner: str, n: int, kill_at: float | None = None, leave: bool = False, protocol: str = "schedule"):
+    w = world(planner, n, protocol=protocol)
     pub = w.endpoint("pub", 0, "trainer")
     readers = [w.endpoint(f"r{i}", i + 1, "rollout") for i in range(n)]
     sc.register(w, [pub, *readers])
@@ -115,17 +115,21 @@ def test_same_inputs_same_run():
     assert one == two
 
 
-def test_a_failure_mid_fanout_is_replanned():
-    clean_w, t0, clean = fan("ros", 4)
+@pytest.mark.parametrize("protocol", ["schedule", "window"])
+def test_a_failure_mid_fanout_is_replanned(protocol):
+    clean_w, t0, clean = fan("ros", 4, protocol=protocol)
     t_clean = max(f.ended for f in clean.values()) - t0
-    w, t0, fetches = fan("ros", 4, kill_at=t_clean / 3)
+    w, t0, fetches = fan("ros", 4, kill_at=t_clean / 3, protocol=protocol)
     dead = [f for f in fetches.values() if not f.ep.alive]
     alive = [f for f in fetches.values() if f.ep.alive]
     assert len(dead) == 1 and len(alive) == 3
     assert all(f.error is None and f.finished and len(f.held) == S // C for f in alive)
     counters = w.hub.hub.counters
     assert counters.get("reads_failed", 0) >= 1  # its reads in flight came back failed and went elsewhere
-    assert [name for _, name in w.hub.expired] == [dead[0].ep.name]  # contract 6: expired by the sweep
+    if protocol == "window":  # windowed readers wait for the hub to expire the dead relay
+        assert [name for _, name in w.hub.expired] == [dead[0].ep.name]  # contract 6: expired by the sweep
+    else:  # scheduled ones re-parent on their own failed reads and waits, before any expiry
+        assert max(f.ended for f in alive) < t0 + t_clean / 3 + w.params.hub.expiry_s
     assert max(f.ended for f in alive) - t0 > t_clean
 
 

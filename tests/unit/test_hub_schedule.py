@@ -1,0 +1,127 @@
+"""Schedules (``Plan.schedule``, hub/scheduling.py, planner/schedule.py): one plan per
+reader gives every chunk a source, trees within a DC, each chunk crossing a DC once."""
+
+from __future__ import annotations
+
+from tensorhub_cli.hub import protocol as p
+from tensorhub_cli.planner.schedule import Swarms, deal
+
+from .hubkit import info, manifest, new_hub, reg
+
+MODEL = "m"
+
+
+def _published(nchunks=16, readers=7, dcs=("dc1",)):
+    hub = new_hub()
+    reg(hub, 0.0, info("t0", node="t", rack="rt", dc="dc1"))
+    names = []
+    for i in range(readers):
+        dc = dcs[i % len(dcs)]
+        names.append(f"r{i}")
+        reg(hub, 0.0, info(f"r{i}", node=f"n{i}", rack=f"rk{i % 2}-{dc}", dc=dc))
+    hub.publish(0.0, p.Publish(name="t0", model=MODEL, version=1, manifest=manifest(nchunks), rank=0, world=1))
+    return hub, names
+
+
+def _schedule(hub, name, want=0):
+    mask = want.to_bytes((want.bit_length() + 7) // 8, "little") if want else b""
+    return hub.plan(0.0, p.Plan(name=name, model=MODEL, version=1, schedule=True, want=mask))
+
+
+def test_deal_spreads_any_want_evenly_over_the_stripes():
+    want = sum(1 << c for c in range(0, 64, 32)) | ((1 << 10) - 1) << 40  # uneven shape
+    stripes = deal(want, 2)
+    assert stripes[0] | stripes[1] == want and not stripes[0] & stripes[1]
+    assert abs(stripes[0].bit_count() - stripes[1].bit_count()) <= 1
+
+
+def test_swarm_trees_are_breadth_first_and_no_member_feeds_more_than_k():
+    swarms = Swarms(k=2)
+    parents = [swarms.join(f"r{i}", "dc1", (1 << 8) - 1, lambda n: True) for i in range(9)]
+    # the first member takes both stripes from the roots; then each stripe's tree fills breadth first
+    assert [par for _, par in parents[0]] == [None, None]
+    children: dict[str, int] = {}
+    for got in parents[1:]:
+        for _, par in got:
+            if par is not None:
+                children[par] = children.get(par, 0) + 1
+    assert max(children.values()) <= 2
+    # member i is interior in stripe i % 2 only: it feeds no one in the other stripe
+    for i in range(9):
+        fed = {s for got in parents for s, (_, par) in enumerate(got) if par == f"r{i}"}
+        assert fed <= {i % 2}, (i, fed)
+
+
+def test_one_plan_gives_every_chunk_a_source_and_chunks_flow_down_trees():
+    hub, names = _published(nchunks=16, readers=7)
+    from_trainer = 0
+    parents: dict[tuple[str, int], str] = {}
+    for name in names:
+        got = _schedule(hub, name)
+        assert sorted(r.chunk for r in got.reads) == list(range(16)), f"{name}: not every chunk scheduled"
+        for r in got.reads:
+            parents[(name, r.chunk)] = r.source
+            assert r.ready == (r.source == "t0"), f"{name}: chunk {r.chunk} from {r.source} ready={r.ready}"
+            from_trainer += r.source == "t0"
+    # the trainer sends each stripe once per swarm: the model once to the first reader,
+    # half of it once more (the second reader's other stripe), never more
+    assert from_trainer == 16 + 8
+    # acyclic: every chunk's chain of parents ends at the trainer
+    for (name, chunk), src in parents.items():
+        seen = {name}
+        while src != "t0":
+            assert src not in seen, f"cycle on chunk {chunk}: {seen}"
+            seen.add(src)
+            src = parents[(src, chunk)]
+    # each reader uploads at most what it downloads
+    up: dict[str, int] = {}
+    for src in parents.values():
+        up[src] = up.get(src, 0) + 1
+    assert all(up.get(n, 0) <= 16 for n in names), up
+
+
+def test_a_scheduled_read_becomes_ready_once_its_parent_reports_the_chunk():
+    hub, names = _published(nchunks=4, readers=2)
+    _schedule(hub, "r0")
+    got = _schedule(hub, "r1")
+    waiting = [r for r in got.reads if not r.ready]
+    assert waiting and all(r.source == "r0" for r in waiting)
+    hub.progress(0.0, p.Progress(name="r0", model=MODEL, version=1, chunks=[r.chunk for r in waiting]))
+    again = hub.plan(0.0, p.Plan(name="r1", model=MODEL, version=1, schedule=True))
+    assert all(r.ready for r in again.reads if r.source == "r0")
+
+
+def test_a_failed_tree_read_goes_to_a_holder_that_has_the_chunk_now():
+    hub, names = _published(nchunks=4, readers=2)
+    _schedule(hub, "r0")
+    got = _schedule(hub, "r1")
+    lost = next(r for r in got.reads if r.source == "r0")
+    again = hub.plan(0.0, p.Plan(name="r1", model=MODEL, version=1, schedule=True,
+                                 failed=[p.Read(chunk=lost.chunk, source="r0")]))
+    moved = next(r for r in again.reads if r.chunk == lost.chunk)
+    assert moved.source == "t0" and moved.ready  # roots only: never another tree parent
+
+
+def test_each_chunk_crosses_into_a_dc_once_and_the_crossing_is_striped():
+    hub, names = _published(nchunks=16, readers=8, dcs=("dc1", "dc2"))
+    far = [n for i, n in enumerate(names) if i % 2]
+    crossings: dict[int, set[str]] = {}
+    half = (1 << 8) - 1
+    for i, name in enumerate(far):  # two TP ranks: two swarms in dc2
+        got = _schedule(hub, name, want=half << (8 * (i % 2)))
+        for r in got.reads:
+            if r.source in ("t0",) or hub.endpoints[r.source].place.dc == "dc1":
+                crossings.setdefault(r.chunk, set()).add(name)
+    assert sorted(crossings) == list(range(16))
+    assert all(len(who) == 1 for who in crossings.values()), crossings
+    assert len({n for who in crossings.values() for n in who}) >= 2  # more than one seed crosses
+
+
+def test_every_scheduled_read_is_pinned_and_a_report_unpins_it():
+    hub, names = _published(nchunks=4, readers=2)
+    _schedule(hub, "r0")
+    got = _schedule(hub, "r1")
+    v = hub.models[MODEL][1]
+    assert v.reads["r1"] == {r.chunk: r.source for r in got.reads}
+    hub.progress(0.0, p.Progress(name="r1", model=MODEL, version=1, chunks=[got.reads[0].chunk]))
+    assert got.reads[0].chunk not in v.reads["r1"]
