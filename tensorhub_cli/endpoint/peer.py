@@ -4,11 +4,14 @@ replicas, ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memo
 serves (``engines.serve``, whatever the endpoint's engine), and ``Await`` from the
 replica ``replica((model, version))`` finds: it awaits ``Held.await_held`` (woken by
 ``Held.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
-``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``). A server built
-without ``replica`` refuses every ``Await`` as ``not_found``. Every connection is closed after a refused ask; an idle connection
-is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp engines drop their
-pooled connections well before, ``engines.tcp.IDLE_S``), and one whose reader stops receiving
-after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``, 30 s) per slice.
+``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``); a server
+built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
+closed after an ask refused for its frame or token (too large, malformed, auth; an
+answer that refuses what was asked, ``not_found`` or ``bad_request``, leaves it open);
+an idle connection is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp
+engines drop their pooled connections well before, ``engines.tcp.IDLE_S``), and one
+whose reader stops receiving after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``,
+30 s) per slice.
 ``close(timeout)`` stops accepting, ends every connection, and waits up to ``timeout``
 (default 5 s) for the server thread to end."""
 
