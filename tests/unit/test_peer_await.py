@@ -190,3 +190,18 @@ def test_an_endpoint_dropping_its_replica_refuses_the_waits_for_it():
         assert "dropped" in str(out.get("error")), out
     finally:
         server.close(timeout=5)
+
+
+def test_a_holder_that_predates_await_refuses_it_and_the_reader_hears_a_peer_error(rig, monkeypatch):
+    import msgspec
+
+    class OldAsk(msgspec.Struct):  # the Ask of a holder from before Await
+        v: int
+        token: str
+        op: wire.Describe | wire.ReadRanges | wire.ReadBytes
+
+    monkeypatch.setattr(wire, "decode_ask", msgspec.msgpack.Decoder(OldAsk).decode)
+    server, replicas = rig
+    replicas[("m", 1)] = replica()
+    with pytest.raises(wire.PeerError, match="malformed"):
+        wire.await_chunks(server.address, TOKEN, "m", 1, 0b1, 20.0)
