@@ -112,7 +112,8 @@ class Endpoint:
         self._claiming = threading.Condition()
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
-        self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s)
+        self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s,
+                               replica=self._replicas.get)
         # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
         # our pins and pending unpublish at the hub; a newer process under our name
         # fences this one (contract 3). A supervised runner's first Endpoint takes the
@@ -236,6 +237,7 @@ class Endpoint:
         ``keep``: zombies own it (``zombies``: reads may still write there)."""
         with self._lock:
             self._replicas.pop(held.key, None)
+        held.gone()  # (an ``Await`` for its chunks is answered now: it would never be)
         self.served.remove(id(held))
         streams.drained(held.written)  # scatters still reading its staging end before it is reused or freed
         if registration == "drop":

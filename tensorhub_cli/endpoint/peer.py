@@ -1,10 +1,17 @@
 """The holder side of the peer channel (see ``engines.wire``): an asyncio TCP server on
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
-replicas and ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memory it serves (``engines.serve``, whatever the
-endpoint's engine). Every connection is closed after a refused ask; an idle connection
-is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp engines drop their
-pooled connections well before, ``engines.tcp.IDLE_S``), and one whose reader stops receiving
-after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``, 30 s) per slice.
+replicas, ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memory it
+serves (``engines.serve``, whatever the endpoint's engine), and ``Await`` from the
+replica ``replica((model, version))`` finds: it awaits ``Held.await_held`` (woken by
+``Held.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
+``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``); a server
+built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
+closed after an ask refused for its frame or token (too large, malformed, auth; an
+answer that refuses what was asked, ``not_found`` or ``bad_request``, leaves it open);
+an idle connection is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp
+engines drop their pooled connections well before, ``engines.tcp.IDLE_S``), and one
+whose reader stops receiving after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``,
+30 s) per slice.
 ``close(timeout)`` stops accepting, ends every connection, and waits up to ``timeout``
 (default 5 s) for the server thread to end."""
 
@@ -14,20 +21,27 @@ import asyncio
 import hmac
 import logging
 import threading
+import math
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from ..engines import wire
 from ..engines.serve import SEND_TIMEOUT_S, Regions, serve_read
+from .replica import Held
 
 log = logging.getLogger("tensorhub.peer")
 IDLE_S = 300.0
+AWAIT_CAP_S = 30.0
 
 
 class PeerServer:
     def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
-                 regions: Regions, *, idle_s: float = IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S):
+                 regions: Regions, *, idle_s: float = IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S,
+                 replica: Optional[Callable[[tuple[str, int]], Optional[Held]]] = None,
+                 await_cap_s: float = AWAIT_CAP_S):
         self._token = token.encode()
+        self._replica = replica
+        self._await_cap_s = await_cap_s
         self._describe = describe
         self._regions = regions
         self._idle_s = idle_s
@@ -58,6 +72,9 @@ class PeerServer:
                 self.last_ask = time.monotonic()
                 if isinstance(ask.op, (wire.ReadBytes, wire.ReadRanges)):
                     await serve_read(writer, self._regions, ask.op, send_timeout=self._send_timeout_s)
+                elif isinstance(ask.op, wire.Await):
+                    writer.write(wire.frame(wire.Answer(body=await self._await(ask.op))))
+                    await writer.drain()
                 else:
                     writer.write(wire.frame(wire.Answer(body=self._describe(ask.op))))
                     await writer.drain()
@@ -69,6 +86,32 @@ class PeerServer:
             log.exception("peer connection failed")
         finally:
             writer.close()
+
+    async def _await(self, ask: wire.Await) -> wire.Have | wire.Refused:
+        what = f"{ask.model}@{ask.version}"
+        held = self._replica((ask.model, ask.version)) if self._replica is not None else None
+        if held is None:
+            return wire.Refused(code="not_found", message=f"this endpoint holds no replica of {what}")
+        mask = wire.mask_int(ask.chunks)
+        if not mask:
+            return wire.Refused(code="bad_request", message=f"await of {what}: chunks names no chunk")
+        n = held.chunk_count()
+        if n is not None and mask >> n:
+            return wire.Refused(code="bad_request", message=f"await of {what}: chunks names chunk "
+                                f"{mask.bit_length() - 1}, past the version's {n} chunks")
+        if not (math.isfinite(ask.timeout_s) and ask.timeout_s >= 0):
+            return wire.Refused(code="bad_request", message=f"await of {what}: timeout_s must be a finite "
+                                f"number >= 0, not {ask.timeout_s}")
+        fut = held.await_held(mask, asyncio.get_running_loop())
+        try:
+            have = await asyncio.wait_for(fut, min(ask.timeout_s, self._await_cap_s))
+        except asyncio.TimeoutError:
+            have = 0
+        finally:
+            held.forget(fut)
+        if have is None:
+            return wire.Refused(code="not_found", message=f"the replica of {what} was dropped")
+        return wire.Have(chunks=wire.mask_bytes(have))
 
     @staticmethod
     async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None:

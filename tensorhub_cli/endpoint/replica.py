@@ -4,12 +4,24 @@
 endpoint's ``registrations`` cache entry; a replica gives it back when dropped, it is
 not deregistered by the replica). ``written``: the event after the last scatter of a
 fetch into it (``streams``), None while none happened.
+
+Holder notices (the peer channel's ``Await``, ``engines.wire``). A reader counts a
+verified chunk held with ``mark_held``, never by adding to ``held`` directly: it wakes
+every wait for that chunk (``await_held``: an asyncio future the peer server's loop
+awaits, resolved on that loop with ``call_soon_threadsafe``). Nothing polls. ``gone``
+(the endpoint's ``_drop``) resolves every wait with None and refuses new ones, so no
+wait outlives the replica. A publisher holds its whole shard from the start; it knows
+only its own manifest, not where its shard starts among the version's global chunk ids,
+so with ``world > 1`` it answers every asked chunk (the hub names it only for chunks of
+its shard).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 from ..engines import wire
 from ..hub import protocol as p
@@ -34,6 +46,9 @@ class Held:
     reg: object = None  # registrations.Registration
     written: object = None  # streams: the event recorded after the last scatter into our destination
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Waits for chunks (``await_held``): (loop, future, mask), under ``lock``.
+    waiters: list = field(default_factory=list)
+    dropped: bool = False  # ``gone`` was called: every wait is refused
 
     @property
     def key(self) -> tuple[str, int]:
@@ -72,6 +87,64 @@ class Held:
             mask |= 1 << c
         return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
 
+    def chunk_count(self) -> Optional[int]:
+        """How many global chunk ids the version has, when this replica can tell (a
+        publisher of one shard of several cannot: None)."""
+        if self.rank >= 0 and self.world > 1:
+            return None
+        return sum(len(m.chunks) for m in self.shards)
+
+    def mark_held(self, chunks: Iterable[int]) -> None:
+        """Count ``chunks`` (global ids, verified) held, and answer every wait that asked
+        for one of them with the asked chunks held now. Callable from any thread."""
+        added = 0
+        with self.lock:
+            for c in chunks:
+                self.held.add(c)
+                added |= 1 << c
+            woken = [w for w in self.waiters if w[2] & added]
+            if not woken:
+                return
+            self.waiters = [w for w in self.waiters if not w[2] & added]
+            answers = [(loop, fut, self._holds(mask)) for loop, fut, mask in woken]
+        for loop, fut, have in answers:
+            _notify(loop, fut, have)
+
+    def await_held(self, mask: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """A future of ``loop`` (call this on the loop's thread) resolved with the chunks
+        of ``mask`` held: at once when some are, else when ``mark_held`` adds one; with
+        None once the replica is ``gone``. Give it back with ``forget`` when giving up."""
+        fut = loop.create_future()
+        with self.lock:
+            if self.dropped:
+                fut.set_result(None)
+            elif have := self._holds(mask):
+                fut.set_result(have)
+            else:
+                self.waiters.append((loop, fut, mask))
+        return fut
+
+    def forget(self, fut: asyncio.Future) -> None:
+        with self.lock:
+            self.waiters = [w for w in self.waiters if w[1] is not fut]
+
+    def gone(self) -> None:
+        """The replica is dropped: every wait is answered None, and every later one."""
+        with self.lock:
+            self.dropped = True
+            waiters, self.waiters = self.waiters, []
+        for loop, fut, _ in waiters:
+            _notify(loop, fut, None)
+
+    def _holds(self, mask: int) -> int:
+        """(Under ``lock``.) The chunks of ``mask`` held (see the module on publishers)."""
+        if self.rank >= 0:
+            n = self.chunk_count()
+            return mask if n is None else mask & ((1 << n) - 1)
+        if mask.bit_count() < len(self.held):
+            return sum(1 << c for c in _bits(mask) if c in self.held)
+        return sum(1 << c for c in self.held if mask >> c & 1)
+
     def starts(self) -> list[int]:
         """Global id of each shard's first chunk (a reader's view: rank 0's first)."""
         out, at = [], 0
@@ -90,3 +163,21 @@ class Held:
     def overlaps(self, regions) -> bool:
         return any(a.device == b.device and a.addr < b.addr + b.nbytes and b.addr < a.addr + a.nbytes
                    for a in self.placed.regions for b in regions)
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _notify(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Optional[int]) -> None:
+    def settle() -> None:
+        if not fut.done():  # (the wait may have timed out meanwhile)
+            fut.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: its peer server ended, and the wait with it
+        pass

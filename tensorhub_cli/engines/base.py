@@ -5,7 +5,12 @@ to readers (over our authenticated peer channel, never an engine's own listener)
 reader ``add_peer``s that description once per holder and version, then ``read``s a
 list of (remote address → local address, nbytes) pairs; ``state`` says whether that
 read is pending, done or failed, and ``release`` frees it once it is not pending (or
-gives up on it; see ``release``). Reads are one-sided: the holder's code does nothing
+gives up on it; see ``release``). Instead of asking ``state`` again and again, a reader
+blocks on ``when_over(transfer, fn)``: ``fn(state)`` is called exactly once when the read
+is no longer pending, from whichever thread sees it end (tcp: the read's own thread;
+engines without a completion callback, nixl: the engine's watcher thread,
+``engines.watcher``, the one poll left); the reader still ``release``s it afterwards,
+and ``close`` stops the watcher. Reads are one-sided: the holder's code does nothing
 per read beyond calling ``progress`` regularly, which some transports need.
 
 Memory handed to ``register`` must stay allocated and unmoved until ``deregister``;
@@ -24,8 +29,9 @@ or from the device per piece, so the device memory is touched only by that copy.
 from __future__ import annotations
 
 import ctypes
+import threading
 from abc import ABC, abstractmethod
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 State = Literal["pending", "done", "failed"]
 
@@ -122,6 +128,9 @@ class EngineError(Exception):
     pass
 
 
+_WATCHER = threading.Lock()  # (creates an engine's watcher once: engines have no __init__ of ours)
+
+
 class Engine(ABC):
     """Per method: what the caller may do once it returns."""
 
@@ -170,9 +179,41 @@ class Engine(ABC):
         keeps it, counts it as in flight (its source's pin stays, contract 3) and tries
         again later. True: it is over, and the target memory is the caller's again."""
 
+    def when_over(self, transfer: object, fn: Callable[[State], None]) -> None:
+        """Call ``fn(state)`` exactly once, with "done" or "failed", when ``transfer`` is
+        no longer pending: at once on this thread when it already is, else from
+        whichever thread sees it end. The caller still ``release``s it afterwards (a
+        transfer ``release``d before its callback came is reported "failed" by engines
+        that cannot tell). ``fn`` must be quick; what it raises is logged.
+        Default: the engine's watcher thread checks ``states_of`` (``engines.watcher``)
+        and raises EngineError once ``close`` stopped it; engines with a completion of
+        their own (tcp) override it."""
+        self._watcher().watch(transfer, fn)
+
+    def states_of(self, transfers: list) -> list[State]:
+        """``state`` of each transfer: the watcher's one call per round (an engine may
+        answer them under one lock)."""
+        return [self.state(t) for t in transfers]
+
+    def _watcher(self):
+        from .watcher import Watcher  # (it imports this module)
+
+        with _WATCHER:
+            watcher = self.__dict__.get("_watch")
+            if watcher is None:
+                watcher = self.__dict__["_watch"] = Watcher(self.states_of, name=f"th-watch-{self.kind}")
+        return watcher
+
+    def _stop_watching(self, timeout: float = 5.0) -> None:
+        """Stop the watcher thread, if ``when_over`` ever started one (every ``close``)."""
+        watcher = self.__dict__.get("_watch")
+        if watcher is not None:
+            watcher.close(timeout)
+
     def progress(self) -> None:
         """Let the transport serve peers' reads of our memory; called every millisecond
         or so by the endpoint's service thread while it holds anything. Never blocks."""
 
     def close(self) -> None:
-        """Stop the engine; the caller makes no further call on it."""
+        """Stop the engine (and its watcher thread); the caller makes no further call on it."""
+        self._stop_watching()

@@ -45,6 +45,14 @@ for up to ``timeout`` (5 s), and drops the agent only once none is left; one tha
 stays pending keeps the agent alive (a leak, logged, rather than memory written after
 its owner freed it).
 
+Completion. NIXL's Python API has no completion callback (``check_xfer_state`` and
+``get_new_notifs`` are polls), so ``when_over`` is the base's: one watcher thread per
+engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms while reads
+are pending, asleep with no CPU while none is watched) checks every watched READ in one
+round under the lock; its checks also drive UCX progress for our READs. A transfer
+already released (given up, or by ``close``) is never checked again: it reads "failed".
+``close`` stops the thread.
+
 NIXL calls are serialized by one lock: the fetch loop, the service thread's progress
 and the peer server's ``describe`` run on different threads.
 """
@@ -166,6 +174,21 @@ class NixlEngine(Engine):
         except Exception:
             return "failed"
 
+    def states_of(self, transfers: list) -> list[State]:
+        """The watcher's round: every state under one lock; a released handle is
+        never touched again (NIXL freed it)."""
+        with self._lock:
+            return [self._watched_state(t) for t in transfers]
+
+    def _watched_state(self, transfer: object) -> State:
+        """(Under the lock.)"""
+        if self._agent is None or transfer not in self._posted:
+            return "failed"
+        try:
+            return _STATES.get(self._agent.check_xfer_state(transfer), "failed")
+        except Exception:
+            return "failed"
+
     def release(self, transfer: object) -> bool:
         """True only once NIXL reports ``transfer`` final and its handle is freed; a
         pending one is stopped by disconnecting its holder first (see the module)."""
@@ -202,7 +225,13 @@ class NixlEngine(Engine):
 
     def close(self, timeout: float = 5.0) -> None:
         """Release every posted transfer (bounded by ``timeout``), then drop the agent;
-        see the module's docstring for one that will not let go."""
+        see the module's docstring for one that will not let go. Stops the watcher."""
+        try:
+            self._release_all(timeout)
+        finally:
+            self._stop_watching(timeout)
+
+    def _release_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:

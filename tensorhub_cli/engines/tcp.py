@@ -26,6 +26,10 @@ started yet is cancelled; a running one has its socket shut down, which ends its
 blocking receive at once. ``release`` returns True only once the read's thread is
 done with the memory; until then the caller keeps the transfer and asks again.
 
+Completion. ``when_over(read, fn)`` hangs ``fn`` on the read's own future: it is
+called by the read's pool thread as the read ends (or at once when it has), never by a
+poll; a read cancelled or stopped reports "failed".
+
 Closing. ``close(timeout)`` refuses new reads, stops every read still pending (as
 ``release`` does) and waits up to ``timeout`` (5 s) for their threads to end, so once
 it returns no read of this engine writes into memory again. A read it could not see
@@ -55,6 +59,7 @@ from concurrent.futures import wait as wait_futures
 
 from . import wire
 from .base import DeviceCopy, Engine, EngineError, Pair, Region, State, TorchDeviceCopy, host_view
+from .watcher import deliver
 
 
 IDLE_S = 60.0
@@ -233,6 +238,11 @@ class TcpEngine(Engine):
         if not fut.done():
             return "pending"
         return "failed" if fut.cancelled() or fut.exception() is not None else "done"
+
+    def when_over(self, transfer: object, fn) -> None:
+        """``fn(state)`` once, from the read's completion (see the module's docstring)."""
+        xfer: TcpRead = transfer  # type: ignore[assignment]
+        xfer.future.add_done_callback(lambda _: deliver(fn, self.state(xfer)))
 
     def release(self, transfer: object) -> bool:
         """True once the read no longer touches its target memory; a pending read is

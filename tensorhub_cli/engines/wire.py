@@ -2,7 +2,7 @@
 
 Framing: a 4-byte big-endian length, then a msgpack ``Ask`` (or ``Answer``). Every ask
 carries the cluster token, compared in constant time; a frame over ``MAX_ASK`` or with
-a bad token is answered ``Refused`` and the connection closed. Two asks exist:
+a bad token is answered ``Refused`` and the connection closed. The asks:
 
 - ``Describe(model, version)``: the holder answers ``Described`` with the address of
   each chunk it holds memory for (a publisher: its shard's; a reader: every chunk), the
@@ -21,6 +21,21 @@ a bad token is answered ``Refused`` and the connection closed. Two asks exist:
   Added under the same ``WIRE_VERSION``: ``Describe`` and ``ReadBytes`` are unchanged, and
   a holder that predates it answers the unknown tag ``Refused`` (malformed), never wrong
   bytes.
+- ``Await(model, version, chunks, timeout_s)``: a holder notice. ``chunks`` is a
+  little-endian bitmask of global chunk ids (as ``hub.protocol.Plan.want``). The holder
+  answers ONE ``Have(chunks)``: the asked chunks it holds (a reader: verified, in its
+  replica's ``held``; a publisher: every chunk of its shard), as soon as it holds at least
+  one of them (at once if it already does), or an empty mask once ``timeout_s`` passed
+  (the holder caps the wait: ``endpoint.peer.AWAIT_CAP_S``, 30 s). It never polls: its
+  replica wakes the wait when a chunk is marked held (``replica.Held.mark_held``). A
+  holder without that version, or whose replica is dropped while the ask waits, answers
+  ``Refused(not_found)`` naming it; an ask naming no chunk, a chunk past the version's
+  last, or a ``timeout_s`` that is not a finite number >= 0 is ``Refused(bad_request)``
+  naming the field. The connection stays open after any of these answers.
+  Added under the same ``WIRE_VERSION`` as ``ReadRanges``: a holder that predates it
+  answers the unknown tag ``Refused`` (malformed) and closes the connection, which
+  ``await_chunks`` raises as ``PeerError``; a reader that must work with such holders
+  falls back to asking the hub.
 """
 
 from __future__ import annotations
@@ -63,10 +78,17 @@ class ReadRanges(ReadBytes, tag="ranges", kw_only=True):
 assert MAX_RANGES * 18 + 4096 < MAX_ASK  # (a token of up to 4 KiB beside the ranges)
 
 
+class Await(msgspec.Struct, tag="await"):
+    model: str
+    version: int
+    chunks: bytes  # little-endian bitmask of global chunk ids (``mask_bytes``)
+    timeout_s: float
+
+
 class Ask(msgspec.Struct):
     v: int
     token: str
-    op: Union[Describe, ReadRanges, ReadBytes]
+    op: Union[Describe, ReadRanges, ReadBytes, Await]
 
 
 class Described(msgspec.Struct, tag="described"):
@@ -81,13 +103,17 @@ class Bytes(msgspec.Struct, tag="bytes"):
     nbytes: int
 
 
+class Have(msgspec.Struct, tag="have"):
+    chunks: bytes  # the asked chunks held (little-endian bitmask); empty: none within the wait
+
+
 class Refused(msgspec.Struct, tag="refused"):
     code: str
     message: str
 
 
 class Answer(msgspec.Struct):
-    body: Union[Described, Bytes, Refused]
+    body: Union[Described, Bytes, Have, Refused]
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -97,6 +123,15 @@ _answer = msgspec.msgpack.Decoder(Answer)
 
 class PeerError(Exception):
     pass
+
+
+def mask_bytes(mask: int) -> bytes:
+    """A chunk set as ``Await``/``Have`` carry it: little-endian bitmask, b"" for none."""
+    return mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+
+
+def mask_int(chunks: bytes) -> int:
+    return int.from_bytes(chunks, "little")
 
 
 def frame(msg: Ask | Answer) -> bytes:
@@ -160,3 +195,39 @@ def describe(address: str, token: str, model: str, version: int, timeout: float,
     if not isinstance(body, Described):
         raise PeerError(f"holder at {address} answered describe with {type(body).__name__}")
     return body
+
+
+# How much longer than the await itself the reader's socket waits: the holder's answer
+# travels after its wait ends, and its thread may be busy serving reads meanwhile.
+AWAIT_MARGIN_S = 5.0
+
+
+def await_chunks(address: str, token: str, model: str, version: int, mask: int, timeout: float,
+                 source: Optional[str] = None) -> int:
+    """Wait (up to ``timeout`` seconds, which the holder may cap) until the holder at
+    ``address`` holds at least one chunk of ``mask`` (global chunk ids as bits) of
+    ``model@version``; returns those of ``mask`` it holds then (0: none within the wait).
+    The connect, the send and the answer's receive each give up after ``timeout`` +
+    ``AWAIT_MARGIN_S``. Raises ``ValueError`` naming a bad ``mask`` or ``timeout``, and
+    ``PeerError`` on refusal (``not_found``: the holder does not hold that version, or
+    dropped it while we waited), silence or a bad answer."""
+    if not isinstance(mask, int) or mask <= 0:
+        raise ValueError(f"await_chunks: mask must name at least one chunk (a positive int), not {mask!r}")
+    if not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"await_chunks: timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    ask = Await(model=model, version=version, chunks=mask_bytes(mask), timeout_s=float(timeout))
+    with dial(address, timeout + AWAIT_MARGIN_S, source) as sock:
+        try:
+            sock.sendall(frame(Ask(v=WIRE_VERSION, token=token, op=ask)))
+            body = recv_answer(sock).body
+        except OSError as exc:
+            raise PeerError(f"holder at {address} did not answer await of {model}@{version} "
+                            f"within {timeout + AWAIT_MARGIN_S:g}s: {exc}") from None
+    if isinstance(body, Refused):
+        raise PeerError(f"holder at {address} refused await of {model}@{version}: {body.code}: {body.message}")
+    if not isinstance(body, Have):
+        raise PeerError(f"holder at {address} answered await with {type(body).__name__}")
+    have = mask_int(body.chunks)
+    if have & ~mask:
+        raise PeerError(f"holder at {address} answered await of {model}@{version} with chunks not asked")
+    return have

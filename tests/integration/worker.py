@@ -104,6 +104,8 @@ def handle(ep, tensors: dict, op: str, c: dict) -> dict:
         want = load_file(c["path"])
         got = tensors.get("sync", {})
         return {"equal": set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)}
+    if op == "peer":
+        return {"address": ep.peer.address}
     if op == "exit":
         ep.close(drain_timeout=c.get("drain_timeout", 5))
         return {"closed": True}

@@ -99,3 +99,53 @@ def test_close_gives_up_after_its_timeout_and_keeps_the_agent(engine):
     eng.close(timeout=0.2)
     assert time.monotonic() - start < 2
     assert agent.posted and eng._agent is agent  # leaked, not freed under UCX
+
+
+class Over:
+    def __init__(self):
+        self.states: list[str] = []
+        self.called = threading.Event()
+
+    def __call__(self, state):
+        self.states.append(state)
+        self.called.set()
+
+
+@pytest.mark.parametrize("final, state", [("DONE", "done"), ("ERR", "failed")])
+def test_when_over_calls_back_once_when_nixl_reports_the_read_final(engine, final, state):
+    eng, agent, xfer = engine
+    over = Over()
+    eng.when_over(xfer, over)
+    time.sleep(0.05)
+    assert over.states == [], "called back while NIXL still reports PROC"
+    agent.states[xfer] = final
+    assert over.called.wait(10), "no callback after the READ ended"
+    time.sleep(0.05)
+    assert over.states == [state]
+    assert eng.release(xfer) is True
+    eng.close(timeout=1)
+
+
+def test_a_read_released_before_its_callback_is_over_and_its_freed_handle_never_checked(engine):
+    eng, agent, xfer = engine
+    checked_after_free = []
+    real_check = agent.check_xfer_state
+    agent.check_xfer_state = lambda h: (checked_after_free.append(h) if h not in agent.posted else None,
+                                        real_check(h))[1]
+    over = Over()
+    eng.when_over(xfer, over)
+    assert eng.release(xfer) is True  # given up: disconnected, ERR, freed
+    assert over.called.wait(10) and over.states == ["failed"]
+    assert checked_after_free == [], "the watcher checked a handle NIXL had freed"
+    eng.close(timeout=1)
+
+
+def test_close_stops_the_watcher_thread(engine):
+    eng, agent, xfer = engine
+    over = Over()
+    eng.when_over(xfer, over)
+    thread = eng._watch._thread
+    assert thread.is_alive()
+    eng.close(timeout=5)  # releases the pending READ (disconnect: ERR), then stops the watcher
+    assert not thread.is_alive(), "the watcher thread outlived close"
+    assert over.states == ["failed"]

@@ -1,0 +1,130 @@
+"""Completion callbacks for engines whose transport has none: one watcher thread per engine.
+
+Protocol. ``Watcher(check, name)``; ``watch(transfer, fn)`` calls ``fn(state)`` exactly
+once, with ``"done"`` or ``"failed"``, once ``check([transfer])`` no longer says
+``"pending"``: at once on the caller's thread when it already is, else on the watcher's
+thread. ``check(transfers) -> states`` is the engine's (one call per round, so an
+engine can take its lock once for all). ``fn`` must be quick; what it raises is logged.
+``close(timeout)`` stops the thread after one last round (transfers over by then get
+their callbacks; those still pending never do, and are counted in ``dropped``);
+``watch`` after ``close`` raises ``EngineError``.
+
+This is the one place a poll remains on the reader's data path, and why: NIXL's Python
+API has no completion callback (``nixl_agent`` offers ``check_xfer_state`` and
+``get_new_notifs``, both polls), and UCX only moves a request forward while someone
+drives its worker's progress, which ``check_xfer_state`` does. So the thread checks the
+watched transfers, backing off from ``FIRST_S`` (20 µs) doubling to ``MAX_S`` (1 ms)
+while they stay pending (back to ``FIRST_S`` whenever one ends or a new one is watched),
+and sleeps on its condition, with no timeout and no CPU, while nothing is watched.
+``idle`` says it is asleep there and ``rounds`` counts its checks (tests read both).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Callable
+
+from .base import EngineError, State
+
+FIRST_S = 20e-6
+MAX_S = 1e-3
+log = logging.getLogger("tensorhub.engine")
+
+Check = Callable[[list], list]
+Over = Callable[[State], None]
+
+
+def deliver(fn: Over, state: State) -> None:
+    """Call a completion callback; what it raises is logged, never the caller's problem."""
+    try:
+        fn(state)
+    except Exception:
+        log.exception("a transfer's completion callback raised")
+
+
+class Watcher:
+    def __init__(self, check: Check, name: str = "th-watch", *, first_s: float = FIRST_S, max_s: float = MAX_S):
+        self._check = check
+        self._name = name
+        self._first_s, self._max_s = first_s, max_s
+        self._cond = threading.Condition()
+        self._watched: dict[int, tuple[object, Over]] = {}
+        self._keys = itertools.count()
+        self._fresh = False  # a watch came in since the last round: start the back-off again
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.idle = False  # blocked on the condition, nothing watched (no timeout: no CPU)
+        self.rounds = 0  # checks made by the thread
+        self.dropped = 0  # watches still pending at close, never called back
+
+    def watch(self, transfer: object, fn: Over) -> None:
+        state = self._states([transfer])[0]
+        if state != "pending":
+            deliver(fn, state)
+            return
+        with self._cond:
+            if self._closed:
+                raise EngineError(f"{self._name}: the engine is closed")
+            self._watched[next(self._keys)] = (transfer, fn)
+            self._fresh = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _states(self, transfers: list) -> list:
+        try:
+            states = list(self._check(transfers))
+            if len(states) != len(transfers):
+                raise EngineError(f"{len(states)} states for {len(transfers)} transfers")
+            return states
+        except Exception:  # (a broken check must not hang its waiters: each is over, failed)
+            log.exception("%s: checking transfers failed; reporting them failed", self._name)
+            return ["failed"] * len(transfers)
+
+    def _run(self) -> None:
+        delay = self._first_s
+        while True:
+            with self._cond:
+                while not self._watched and not self._closed:
+                    self.idle = True
+                    self._cond.wait()
+                self.idle = False
+                last = self._closed
+                if self._fresh:
+                    delay, self._fresh = self._first_s, False
+                batch = list(self._watched.items())
+            states = self._states([t for _, (t, _) in batch]) if batch else []
+            self.rounds += 1
+            over = [(key, fn, s) for (key, (_, fn)), s in zip(batch, states) if s != "pending"]
+            with self._cond:
+                for key, _, _ in over:
+                    del self._watched[key]
+                if last:
+                    self.dropped = len(self._watched)
+                    self._watched.clear()
+            for _, fn, state in over:
+                deliver(fn, state)
+            if last:
+                if self.dropped:
+                    log.warning("%s: closed with %d transfer(s) still pending, never called back",
+                                self._name, self.dropped)
+                return
+            if over:
+                delay = self._first_s
+                continue
+            with self._cond:
+                if not self._fresh and not self._closed:
+                    self._cond.wait(delay)
+            delay = min(delay * 2, self._max_s)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (after one last round) and wait up to ``timeout`` for it."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)

@@ -1,0 +1,227 @@
+"""``Engine.when_over(transfer, fn)``: ``fn(state)`` exactly once when the transfer is no
+longer pending. tcp calls it from the read's own completion (real sockets, a real
+``PeerServer``); engines without a completion (the base default, nixl) from one watcher
+thread, which sleeps on its condition while nothing is watched and ends on ``close``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tensorhub_cli.endpoint.peer import PeerServer
+from tensorhub_cli.engines import wire
+from tensorhub_cli.engines.base import Engine, EngineError, Pair, Region
+from tensorhub_cli.engines.serve import Regions
+from tensorhub_cli.engines.tcp import TcpEngine
+
+TOKEN = "t"
+
+
+class Calls:
+    """A completion callback that records (state, thread name) and signals each call."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.called = threading.Event()
+
+    def __call__(self, state: str) -> None:
+        self.calls.append((state, threading.current_thread().name))
+        self.called.set()
+
+    def wait(self, timeout: float = 10.0) -> list[tuple[str, str]]:
+        assert self.called.wait(timeout), "the completion callback never came"
+        return self.calls
+
+
+@pytest.fixture
+def served():
+    src = torch.ones(4 << 20, dtype=torch.uint8)
+    regions = Regions()
+    regions.add(1, [Region(src.data_ptr(), src.nbytes)], owner=src)
+    server = PeerServer("127.0.0.1", TOKEN, lambda ask: wire.Refused(code="x", message=""), regions, idle_s=60)
+    engine = TcpEngine(TOKEN, timeout=5.0)
+    yield server, engine, src
+    engine.close(timeout=5)
+    server.close(timeout=5)
+
+
+def test_tcp_calls_back_once_when_a_read_is_done_from_its_own_thread(served):
+    server, engine, src = served
+    dst = torch.zeros_like(src)
+    xfer = engine.read(server.address, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
+    calls = Calls()
+    engine.when_over(xfer, calls)
+    assert calls.wait() == [("done", calls.calls[0][1])] and calls.calls[0][1].startswith("th-tcp")
+    assert torch.equal(dst, src)
+    late = Calls()
+    engine.when_over(xfer, late)  # already over: at once, on this thread
+    assert late.calls == [("done", threading.current_thread().name)]
+    time.sleep(0.1)
+    assert len(calls.calls) == 1 and engine.release(xfer)
+
+
+def test_tcp_calls_back_once_with_failed_when_the_holder_goes_away_mid_read(served, monkeypatch):
+    monkeypatch.setenv("TH_TEST_SERVE_BPS", str(1 << 20))  # 4 MiB at 1 MiB/s: still sending when we stop it
+    server, engine, src = served
+    dst = torch.zeros_like(src)
+    xfer = engine.read(server.address, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
+    calls = Calls()
+    engine.when_over(xfer, calls)
+    deadline = time.monotonic() + 10
+    while not dst.count_nonzero() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not calls.calls, "called back while the read was still receiving"
+    server.close(timeout=5)  # the holder is gone: its connections are cut
+    assert [s for s, _ in calls.wait()] == ["failed"]
+    time.sleep(0.1)
+    assert len(calls.calls) == 1 and engine.release(xfer)
+
+
+class FlipEngine(Engine):
+    """An engine without a completion of its own: the base's watcher checks ``state``."""
+
+    kind = "flip"
+
+    def __init__(self):
+        self.states: dict[int, str] = {}
+
+    def register(self, regions):
+        return object()
+
+    def describe(self, handle):
+        return b""
+
+    def deregister(self, handle):
+        pass
+
+    def add_peer(self, address, description):
+        return address
+
+    def read(self, peer, pairs, device=-1, remote_device=None):
+        xfer = len(self.states)
+        self.states[xfer] = "pending"
+        return xfer
+
+    def state(self, transfer):
+        return self.states[transfer]
+
+    def release(self, transfer):
+        return self.states[transfer] != "pending"
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0):
+    watcher = engine._watch
+    deadline = time.monotonic() + timeout
+    while not watcher.idle:
+        assert time.monotonic() < deadline, "the watcher never went back to sleep"
+        time.sleep(0.005)
+    return watcher
+
+
+def test_the_watcher_calls_back_once_when_a_state_flips():
+    engine = FlipEngine()
+    try:
+        done, failed = engine.read("p", []), engine.read("p", [])
+        on_done, on_failed = Calls(), Calls()
+        engine.when_over(done, on_done)
+        engine.when_over(failed, on_failed)
+        time.sleep(0.05)
+        assert not on_done.calls and not on_failed.calls, "called back while pending"
+        engine.states[done] = "done"
+        assert on_done.wait() == [("done", "th-watch-flip")]
+        engine.states[failed] = "failed"
+        assert on_failed.wait() == [("failed", "th-watch-flip")]
+        wait_idle(engine)
+        assert len(on_done.calls) == len(on_failed.calls) == 1
+        now = Calls()
+        engine.when_over(done, now)  # already over: at once, on this thread
+        assert now.calls == [("done", threading.current_thread().name)]
+    finally:
+        engine.close()
+
+
+def test_the_watcher_sleeps_on_its_condition_while_nothing_is_watched_and_ends_on_close():
+    engine = FlipEngine()
+    xfer = engine.read("p", [])
+    calls = Calls()
+    engine.when_over(xfer, calls)
+    engine.states[xfer] = "done"
+    calls.wait()
+    watcher = wait_idle(engine)
+    rounds = watcher.rounds
+    time.sleep(0.2)  # (a thread that kept checking would count rounds here, every ~1 ms)
+    assert watcher.idle and watcher.rounds == rounds, "the idle watcher kept checking"
+    thread = watcher._thread
+    assert thread.is_alive()
+    engine.close()
+    assert not thread.is_alive(), "the watcher thread outlived close"
+    with pytest.raises(EngineError, match="closed"):
+        engine.when_over(engine.read("p", []), Calls())
+
+
+def test_close_calls_back_what_ended_and_drops_what_is_still_pending():
+    engine = FlipEngine()
+    ended, stuck = engine.read("p", []), engine.read("p", [])
+    on_ended, on_stuck = Calls(), Calls()
+    engine.when_over(ended, on_ended)
+    engine.when_over(stuck, on_stuck)
+    watcher = engine._watch
+    with watcher._cond:  # (the thread cannot start a round before close is set)
+        engine.states[ended] = "failed"
+        watcher._closed = True
+        watcher._cond.notify()
+    watcher._thread.join(10)
+    assert on_ended.calls and on_ended.calls[0][0] == "failed"
+    assert not on_stuck.calls and watcher.dropped == 1
+
+
+def test_a_callback_that_raises_is_logged_and_the_watcher_goes_on(caplog):
+    engine = FlipEngine()
+    try:
+        bad, good = engine.read("p", []), engine.read("p", [])
+        engine.when_over(bad, lambda state: 1 / 0)
+        calls = Calls()
+        engine.when_over(good, calls)
+        engine.states[bad] = "done"
+        time.sleep(0.05)
+        engine.states[good] = "done"
+        assert calls.wait() == [("done", "th-watch-flip")]
+        assert "completion callback raised" in caplog.text
+    finally:
+        engine.close()
+
+
+def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():
+    """The fake agent (test_nixl_engine) checks the bookkeeping; this, the real NIXL. The
+    holder's ``progress`` stands for its endpoint's service thread."""
+    from tensorhub_cli.engines import nixl as nixl_engine
+    from tensorhub_cli.engines.nixl_shim import NixlUnavailable
+
+    try:
+        holder, reader = nixl_engine.NixlEngine("holder"), nixl_engine.NixlEngine("reader")
+    except NixlUnavailable as exc:
+        pytest.skip(f"NIXL does not load here: {exc}")
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    handles = [(holder, holder.register([Region(src.data_ptr(), src.nbytes)])),
+               (reader, reader.register([Region(dst.data_ptr(), dst.nbytes)]))]
+    try:
+        peer = reader.add_peer("127.0.0.1:1", holder.describe(handles[0][1]))
+        xfer = reader.read(peer, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
+        calls = Calls()
+        reader.when_over(xfer, calls)
+        deadline = time.monotonic() + 20
+        while not calls.called.is_set() and time.monotonic() < deadline:
+            holder.progress()
+            time.sleep(0.001)
+        assert [s for s, _ in calls.wait(1)] == ["done"]
+        assert reader.release(xfer) and torch.equal(dst, src)
+        assert wait_idle(reader).idle
+    finally:
+        for engine, handle in handles:
+            engine.deregister(handle)
+            engine.close()
+    assert not reader._watch._thread.is_alive()
