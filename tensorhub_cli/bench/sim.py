@@ -78,7 +78,7 @@ def _cross_dc(p: SimParams, t: int, r: int, wall: dict) -> dict:
 
 
 def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False,
-        measurements: Path | str | None = None, profile: Path | str | None = None) -> dict:
+        measurements: Path | str | None = None, profile: Path | str | None = None, scale: bool = False) -> dict:
     began, cpu0 = time.perf_counter(), time.process_time()
     prof = cProfile.Profile() if profile else None
     if prof:
@@ -107,6 +107,10 @@ def run(gpus: int | None = None, params_file: Path | str | None = None, curves: 
             w0 = time.perf_counter()
             out["curves"] = sim_curves.run(p)
             parts["curves"] = {"wall_s": _r(time.perf_counter() - w0, 2)}
+        if scale:
+            w0 = time.perf_counter()
+            out["scale"] = sim_curves.scale(p)
+            parts["scale"] = {"wall_s": _r(time.perf_counter() - w0, 2)}
         out["wall"] = parts
         out["wall_s"] = _r(time.perf_counter() - began, 2)
         out["cpu_s"] = _r(time.process_time() - cpu0, 2)  # this process's CPU: the one-core figure

@@ -288,7 +288,9 @@ class Reader:
         results = len(self.done) + len(self.passed)
         moving = by[READING] or by[VERIFYING] or by[STOPPING] or by[READY]
         idle = not moving and not by[WAITING]
-        due = (self.asks == 0 or self.failed or results >= self.report_every or results and not moving
+        # (Not per chunk while others wait on their sources: children hear of our chunks
+        # from us, not from the hub, so the hub needs our progress in batches only.)
+        due = (self.asks == 0 or self.failed or results >= self.report_every or results and idle
                or by[WANTED] and idle and now >= self.ask_at)
         if due:
             self.asked = True

@@ -1,5 +1,6 @@
 """Scale curves: time per version and the real hub's CPU per version against the number
-of rollout GPUs, ours (ROS) and the trainer-star baseline.
+of rollout GPUs, ours (ROS) and the trainer-star baseline; and (``scale``) ours alone
+against the network-only bound of each run, up to thousands of rollout GPUs.
 
 Protocol: ``run(params)`` runs the standalone workload (no barrier: the time until the
 last rollout GPU holds its slice) for each count in ``curves.rollout_gpus``, with the
@@ -32,3 +33,41 @@ def run(params: SimParams) -> dict:
             row[f"{arm}_wall_s"] = round(time.perf_counter() - w0, 2)
         rows.append(row)
     return {"x": "rollout_gpus", "trainer_gpus": c.trainer_gpus, "rows": rows}
+
+
+SCALE_GPUS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def bound_s(params: SimParams, trainer: int, run: dict) -> float:
+    """The network-only bound of a standalone run: the busiest NIC's bytes at the NIC's
+    rate: a reader's own slice in, or a trainer's shard out once (no schedule does
+    better; relays add neither, as each reader sends at most what it receives)."""
+    c = params.cluster
+    rate = c.nic_gbps * 1e9 / 8 * c.link_efficiency
+    return max(run["max_reader_bytes"], params.model.nbytes / trainer) / rate
+
+
+def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
+    """``th bench sim --scale``: ours, standalone, at each count of rollout GPUs, the
+    trainer held at ``curves.trainer_gpus``. Per row: ``version_s``, ``bound_s``,
+    ``hub_cpu_s`` (the real hub's CPU for the version) and ``hub_busy`` (its busy share
+    of the version's time)."""
+    t = params.curves.trainer_gpus
+    # The schedule protocol: the design these rows judge (``fetch.protocol`` says what
+    # the workloads and curves run).
+    params = params.model_copy(update={"fetch": params.fetch.model_copy(update={"protocol": "schedule"})})
+    rows = []
+    for n in gpus:
+        w0 = time.perf_counter()
+        got = W.standalone(params, "ros", t, n, barrier=False)
+        v = got["version_s"]
+        b = bound_s(params, t, got)
+        rows.append({"rollout_gpus": n, "trainer_gpus": t, "tp": got["tp"], "version_s": round(v, 4),
+                     "bound_s": round(b, 4), "over_bound": round(v / b, 3) if b else None,
+                     "hub_cpu_s": round(got["hub_cpu_s"], 4), "hub_busy": round(got["hub_busy_s"] / v, 3) if v else 0.0,
+                     "hub_calls": sum(got["hub_calls"].values()), "wall_s": round(time.perf_counter() - w0, 2)})
+    first, last = rows[0], rows[-1]
+    return {"x": "rollout_gpus", "trainer_gpus": t, "protocol": "schedule", "rows": rows,
+            # hub CPU per version per rollout GPU, last row over first: 1.0 is linear
+            "hub_cpu_growth": round(last["hub_cpu_s"] / last["rollout_gpus"] / (first["hub_cpu_s"] / first["rollout_gpus"]), 3)
+            if first["hub_cpu_s"] else None}

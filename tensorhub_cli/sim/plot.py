@@ -15,6 +15,7 @@ from ..ui.plot import PlotUnavailable
 def curves(result: dict, path: Path) -> None:
     if "curves" not in result:
         raise ValueError("the result has no curves: run the bench with curves (--plot) first")
+    scale = result.get("scale", {}).get("rows", [])
     try:
         import matplotlib
 
@@ -28,6 +29,11 @@ def curves(result: dict, path: Path) -> None:
     for arm, style, label in (("ours", "o-", "ours (ROS)"), ("star", "s--", "star (all from the trainer)")):
         left.plot(xs, [r[f"{arm}_version_s"] for r in rows], style, label=label)
         right.plot(xs, [r[f"{arm}_hub_cpu_s"] for r in rows], style, label=label)
+    if scale:  # --scale: ours against each run's network-only bound
+        sx = [r["rollout_gpus"] for r in scale]
+        left.plot(sx, [r["version_s"] for r in scale], "^-", label="ours, --scale")
+        left.plot(sx, [r["bound_s"] for r in scale], ":", color="grey", label="network-only bound")
+        right.plot(sx, [r["hub_cpu_s"] for r in scale], "^-", label="ours, --scale")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -129,6 +129,7 @@ def _summary(world: World, fetches, t0: float, cpu: float) -> dict:
         "bytes_by_level": _levels(world),
         "from_trainer_bytes": sum(f.from_publishers for f in fetches.values()),
         "bytes": sum(f.bytes for f in fetches.values()),
+        "max_reader_bytes": max((f.bytes for f in fetches.values()), default=0),
         "events": world.loop.events,
         "rate_recomputes": world.net.recomputes,
     }
