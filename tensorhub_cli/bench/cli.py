@@ -309,13 +309,14 @@ def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: 
 @bench.command("delta")
 def bench_delta(as_json: bool = JsonOpt,
                 trace: Optional[Path] = typer.Option(None, metavar="FILE.json", help=(
-                    "a delta trace (scripts/delta_trace.py) [default: the newest docs/measurements/delta-trace-*.json]")),
+                    "a delta trace (scripts/delta_trace.py) "
+                    "[default: the newest docs/measurements/delta-trace-*.json]")),
                 lr: float = typer.Option(1e-6, metavar="LR", help="which of the trace's runs (its learning rate)"),
                 steps: int = typer.Option(10, min=1, max=1000, metavar="N", help="versions after the first"),
                 chunk_kib: int = typer.Option(1024, min=1, metavar="KIB", help="chunk size"),
                 method: str = typer.Option("sparse", metavar="sparse|xor", help="delta encoding"),
-                wan_mbit: float = typer.Option(100.0, min=0.001, metavar="MBIT", help="the WAN rate rebuild must beat"))\
-        -> None:
+                wan_mbit: float = typer.Option(100.0, min=0.001, metavar="MBIT",
+                                               help="the WAN rate rebuild must beat")) -> None:
     """The chunk delta codec on the trace's model shape and changed shares (synthetic weights), on one core:
     delta bytes ÷ full bytes and the rebuild rate against the WAN's."""
     from . import delta
