@@ -133,8 +133,12 @@ def rebuild_verified(old, delta, expected_digest: int, kind: str = "xxh3") -> by
 
 
 def _bytes_of(x, what: str) -> np.ndarray:
-    if hasattr(x, "numpy") and not isinstance(x, np.ndarray):  # a CPU torch tensor
-        x = x.contiguous().numpy()
+    if hasattr(x, "numpy") and not isinstance(x, np.ndarray):  # a torch tensor: its bytes, any dtype
+        import torch
+
+        if x.device.type != "cpu":
+            raise DeltaError(f"{what}: a tensor on {x.device}; the codec reads host memory")
+        x = x.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     if isinstance(x, np.ndarray) and not x.flags.c_contiguous:
         raise DeltaError(f"{what}: not contiguous memory (a chunk is one contiguous byte range)")
     try:
@@ -161,7 +165,9 @@ def _decompress(frame: memoryview, limit: int) -> bytes:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"delta: its frame is not zstd or cut short ({exc})") from None
-    if declared < 0 or declared > limit:
+    if declared < 0:
+        raise DeltaError("delta: its frame does not declare its size (not made by encode)")
+    if declared > limit:
         raise DeltaError(f"delta: its frame declares {declared} bytes, at most {limit} fit this chunk")
     d = _local.__dict__.get("d") or _local.__dict__.setdefault("d", zstandard.ZstdDecompressor())
     try:

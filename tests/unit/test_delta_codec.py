@@ -76,6 +76,8 @@ def test_inputs_may_be_bytes_memoryviews_and_cpu_tensors():
     new = _step(old, 0.05)
     d = encode(memoryview(old.tobytes()), torch.from_numpy(new.view(np.int16)))
     assert decode(torch.from_numpy(old.view(np.int16)).view(torch.uint8), d) == new.tobytes()
+    as_bf16 = torch.from_numpy(new.view(np.int16)).view(torch.bfloat16).reshape(64, 64)
+    assert decode(old, encode(old, as_bf16)) == new.tobytes()
     odd_old, odd_new = old.tobytes()[:-1], new.tobytes()[:-1]  # an odd size: byte elements
     assert decode(odd_old, encode(odd_old, odd_new)) == odd_new
 
@@ -97,6 +99,19 @@ def pair(request):
     old = _bf16_chunk(1 << 14)
     new = _step(old, 0.05)
     return old, new, encode(old, new, method=request.param)
+
+
+def test_a_frame_that_does_not_fit_the_chunk_is_refused(pair):
+    import zstandard
+
+    old, _, d = pair
+    header = d[:codec.HEADER_BYTES]
+    with pytest.raises(DeltaError, match=r"its frame declares 1000000 bytes, at most \d+ fit this chunk"):
+        decode(old, header + zstandard.ZstdCompressor().compress(bytes(1000000)))
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    frame = unsized.compress(bytes(10)) + unsized.flush()
+    with pytest.raises(DeltaError, match=r"its frame does not declare its size"):
+        decode(old, header + frame)
 
 
 def test_a_delta_for_another_size_is_refused(pair):
