@@ -306,6 +306,36 @@ def _bench_vllm(as_json: bool, versions: int, hidden: int, layers: int, engine: 
     print(json.dumps(result, indent=None if as_json else 2))
 
 
+@bench.command("delta")
+def bench_delta(as_json: bool = JsonOpt,
+                trace: Optional[Path] = typer.Option(None, metavar="FILE.json", help=(
+                    "a delta trace (scripts/delta_trace.py) "
+                    "[default: the newest docs/measurements/delta-trace-*.json]")),
+                lr: float = typer.Option(1e-6, metavar="LR", help="which of the trace's runs (its learning rate)"),
+                steps: int = typer.Option(10, min=1, max=1000, metavar="N", help="versions after the first"),
+                chunk_kib: int = typer.Option(1024, min=1, metavar="KIB", help="chunk size"),
+                method: str = typer.Option("sparse", metavar="sparse|xor", help="delta encoding"),
+                wan_mbit: float = typer.Option(100.0, min=0.001, metavar="MBIT",
+                                               help="the WAN rate rebuild must beat")) -> None:
+    """The chunk delta codec on the trace's model shape and changed shares (synthetic weights), on one core:
+    delta bytes ÷ full bytes and the rebuild rate against the WAN's."""
+    from . import delta
+
+    if method not in ("sparse", "xor"):
+        fail(f"th bench delta: --method must be sparse or xor, got {method!r}", 2)
+    if trace is not None and not trace.is_file():
+        fail(f"th bench delta: --trace {trace}: no such file", 2)
+    if not as_json:
+        step(f"bench delta: {steps} synthetic versions shaped by the trace, one core …", err)
+    try:
+        result = delta.run(trace=trace, lr=lr, steps=steps, chunk_kib=chunk_kib, method=method, wan_mbit=wan_mbit)
+    except delta.BenchError as exc:
+        fail(f"th bench delta: {exc}", 1)
+    print(json.dumps(result, indent=None if as_json else 2))
+    if not as_json:
+        delta.render(err, result)
+
+
 @bench.command("sim")
 def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
               gpus: Optional[int] = typer.Option(None, min=2, max=65536, metavar="N",

@@ -79,7 +79,7 @@ def test_bench_has_one_subcommand_per_workload_each_with_its_own_options():
 def test_bench_refuses_an_unknown_workload_by_name():
     result = runner.invoke(app, ["bench", "warp"])
     assert result.exit_code == 2
-    assert "unknown workload 'warp' (known: hub, p2p, fanout, faults, rl, sim)" in result.output
+    assert "unknown workload 'warp' (known: hub, p2p, fanout, faults, rl, delta, sim)" in result.output
 
 
 def test_nixl_shim_finds_the_backend_wheel(monkeypatch):
