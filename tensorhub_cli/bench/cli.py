@@ -70,6 +70,8 @@ def bench_hub(as_json: bool = JsonOpt,
               replay: bool = typer.Option(False, "--replay", help=(
                   "the same mix against the hub in this process on a fixed schedule, no sockets: "
                   "repeatable hub CPU figures and a digest of every plan, for A/B of hub changes")),
+              protocol: str = typer.Option("schedule", metavar="schedule|window", help=(
+                  "--replay: readers ask for a schedule (one plan each), or a window at a time")),
               timeout: float = TimeoutOpt,
               profile: Optional[Path] = typer.Option(None, metavar="FILE",
                                                      help="write a cProfile of the hub process here")) -> None:
@@ -79,7 +81,7 @@ def bench_hub(as_json: bool = JsonOpt,
     if replay:
         if depth is not None:
             fail("th bench hub: --depth does not apply to --replay (it answers one request at a time)", 2)
-        return _replay_hub(as_json, endpoints, tensors, chunk_mb, window, planner, timeout, profile)
+        return _replay_hub(as_json, endpoints, tensors, chunk_mb, window, planner, timeout, profile, protocol)
     from . import hub as hub_bench
 
     if not as_json:
@@ -97,7 +99,7 @@ def bench_hub(as_json: bool = JsonOpt,
 
 
 def _replay_hub(as_json: bool, endpoints: int, tensors: int, chunk_mb: int, window: int, planner: str,
-                timeout: float, profile: Path | None) -> None:
+                timeout: float, profile: Path | None, protocol: str = "schedule") -> None:
     from . import hubreplay
 
     if not as_json:
@@ -110,7 +112,7 @@ def _replay_hub(as_json: bool, endpoints: int, tensors: int, chunk_mb: int, wind
         profiler.enable()
     try:
         result = hubreplay.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, window=window,
-                               planner=planner, timeout_s=timeout)
+                               planner=planner, timeout_s=timeout, protocol=protocol)
     except hubreplay.ReplayError as exc:
         fail(f"th bench hub --replay: {exc}", 1)
     finally:

@@ -16,6 +16,13 @@ generator reports them at once too). A plan that gives nothing is asked again
 ``wait_s`` later; every endpoint heartbeats every ``heartbeat_s``; the hub's sweep runs
 as ``HubService`` would schedule it. Then v2, the same, while v1 stays held.
 
+With ``protocol="schedule"`` (the default) readers ask for a schedule (``Plan.schedule``):
+one plan gives every chunk a source, some of which do not hold it yet; a read lands as
+soon as its source truly holds the chunk (the replay keeps the truth, as the source's
+notice would tell the reader), and a reader reports in batches (a quarter of its
+chunks, as ``endpoint/scheduled.py``), so the hub sees a handful of ops per reader.
+``protocol="window"`` is the windowed loop above.
+
 Figures per version (``v1``, ``v2``): ``hub_cpu_s`` (process CPU time spent in
 ``handle`` and the sweep: what the version cost the hub), ``cpu_us`` per op kind
 (``wait_cpu_us``: of plans, those that gave nothing), and ``ops_per_cpu_s`` (ops over
@@ -161,17 +168,88 @@ def _wave(rp: Replay, phase: Phase, names: list[str], number: int, window: int, 
                 heapq.heappush(parked, (rp.clock.now + wait_s, order, name))
 
 
+def _scheduled_wave(rp: Replay, phase: Phase, names: list[str], number: int, heartbeat_s: float,
+                    deadline: float) -> None:
+    """Every reader resolves, asks for its schedule, and reports in batches until it
+    holds version ``number``; a read lands once its source truly holds the chunk."""
+    trainer = names[0]
+    have: dict[str, int] = {}  # the truth: what each reader holds
+    pending: dict[str, dict[int, str]] = {}  # reader -> its scheduled reads not landed
+    landed: dict[str, list[int]] = {}  # landed, not reported
+    every: dict[str, int] = {}
+    waiters: dict[str, set[str]] = {}  # source -> readers waiting on it
+    queue: deque[tuple[str, str]] = deque(("resolve", n) for n in names[1:])
+    next_beat, done = rp.clock.now, 0
+
+    def holds(source: str, chunk: int) -> bool:
+        return source == trainer or bool(have.get(source, 0) >> chunk & 1)
+
+    def advance(name: str) -> None:
+        """Land what can land (transitively: readers waiting on those who gained)."""
+        work = [name]
+        while work:
+            n = work.pop()
+            reads = pending.get(n, {})
+            got = [c for c, s in reads.items() if holds(s, c)]
+            for c in got:
+                del reads[c]
+                have[n] = have.get(n, 0) | 1 << c
+            if got:
+                landed.setdefault(n, []).extend(got)
+                work.extend(waiters.pop(n, ()))
+            if len(landed.get(n, ())) >= every[n] or (not reads and landed.get(n)):
+                if ("plan", n) not in queue:
+                    queue.append(("plan", n))
+            else:
+                for s in set(reads.values()):
+                    waiters.setdefault(s, set()).add(n)
+
+    while done < len(names) - 1:
+        if time.monotonic() > deadline:
+            raise ReplayError(f"v{number} not replayed in time: {done}/{len(names) - 1} readers complete")
+        if rp.clock.now >= next_beat:
+            queue.extend(("heartbeat", n) for n in names)
+            next_beat = rp.clock.now + heartbeat_s
+        rp.sweep_due(phase)
+        if not queue:
+            raise ReplayError(f"v{number}: every reader waits on a source that will never hold its chunk "
+                              f"({done}/{len(names) - 1} complete)")
+        kind, name = queue.popleft()
+        if kind == "heartbeat":
+            rp.call(phase, kind, p.Heartbeat(name=name))
+        elif kind == "resolve":
+            body, _ = rp.call(phase, kind, p.Resolve(name=name, model=MODEL))
+            every[name] = max(8, sum(len(m.chunks) for m in body.shards) // 4)
+            queue.append(("plan", name))
+        else:
+            report = landed.pop(name, [])
+            body, cpu = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, chunks=report,
+                                                    schedule=True))
+            reads = [(r.chunk, r.source, r.ready) for r in body.reads]
+            phase.digest.update(repr((name, reads, body.waiting, body.complete)).encode())
+            if body.complete:
+                done += 1
+                continue
+            if not reads:
+                phase.waits += 1
+                phase.wait_cpu_s += cpu
+            pending[name] = {c: s for c, s, _ in reads if not have.get(name, 0) >> c & 1}
+            advance(name)
+
+
 def run(endpoints: int = 1000, tensors: int = 1000, chunk_mb: int = 64, window: int = 32, planner: str = "ros",
         seed: int = 0, op_s: float = 1e-4, wait_s: float = 0.002, heartbeat_s: float = 1.0,
-        timeout_s: float = 600.0) -> dict:
+        timeout_s: float = 600.0, protocol: str = "schedule") -> dict:
     """The replay's figures (module docstring); ReplayError if the hub refuses an op or a
     version is not replayed within ``timeout_s`` (wall clock)."""
     rng = random.Random(seed)
     infos = topology(endpoints)
     names = [i.name for i in infos]
     rp = Replay(planner, op_s)
+    if protocol not in ("schedule", "window"):
+        raise ReplayError(f"protocol must be schedule or window, not {protocol!r}")
     result: dict = {"mode": "replay", "endpoints": endpoints, "tensors": tensors, "window": window,
-                    "planner": planner}
+                    "planner": planner, "protocol": protocol}
     try:
         setup = Phase()
         for info in infos:
@@ -181,7 +259,10 @@ def run(endpoints: int = 1000, tensors: int = 1000, chunk_mb: int = 64, window: 
             m = manifest(tensors, chunk_mb, rng)
             rp.call(setup, "publish", p.Publish(name=names[0], model=MODEL, version=number, manifest=m))
             phase, start = Phase(), rp.clock.now
-            _wave(rp, phase, names, number, window, wait_s, heartbeat_s, deadline)
+            if protocol == "schedule":
+                _scheduled_wave(rp, phase, names, number, heartbeat_s, deadline)
+            else:
+                _wave(rp, phase, names, number, window, wait_s, heartbeat_s, deadline)
             result[f"v{number}"] = phase.summary(len(m.chunks), rp.clock.now - start)
         result["versions"] = [(v.version, v.state, v.complete_replicas) for v in rp.hub.status(rp.clock.now).versions]
     finally:

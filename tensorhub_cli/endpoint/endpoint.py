@@ -92,8 +92,11 @@ class Endpoint:
                  connect_timeout: float = 10.0, on_command: Optional[CommandHandler] = None,
                  chunk_bytes: int = CHUNK_BYTES, small_bytes: int = SMALL_BYTES,
                  peer_idle_s: float = PEER_IDLE_S, conn_idle_s: float = TCP_IDLE_S,
-                 reg_cache_bytes: int = REG_CACHE_BYTES):
+                 reg_cache_bytes: int = REG_CACHE_BYTES, schedule: bool | None = None):
         self.name = info.name
+        # Fetches read a schedule (endpoint/scheduled.py), or (False; TH_FETCH=window)
+        # plan a window at a time (endpoint/fetch.py).
+        self.schedule = os.environ.get("TH_FETCH", "schedule") != "window" if schedule is None else schedule
         self.host = host
         self._token = token
         self.chunk_bytes = chunk_bytes

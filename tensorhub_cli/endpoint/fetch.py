@@ -239,24 +239,31 @@ class Fetch:
                 continue
             self._start(read, sources.get(read.source))
 
+    def _pairs(self, read: p.Read, source: p.Source) -> tuple[Holder, list[Pair]]:
+        """The holder of ``read`` (described once) and the descriptors that read it:
+        the whole chunk, or (``read.partial``) a same-layout holder's tiles as they lie,
+        or, for a chunk we need only part of, one descriptor per row of strips."""
+        h = self.held
+        holder = self._peer(source)
+        desc = holder.described
+        i = read.chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0)
+        if not 0 <= i < len(desc.addrs):
+            raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
+        tiled = h.placed.parts.get(read.chunk)
+        if read.partial and tiled is None:
+            raise EngineError(f"{read.source} holds only tiles of chunk {read.chunk}, and we need it whole")
+        if tiled is None or read.partial:
+            view = h.placed.views[read.chunk]
+            return holder, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)]
+        return holder, [Pair(desc.addrs[i] + at, v.data_ptr(), v.nbytes) for at, v in tiled.pairs]
+
     def _start(self, read: p.Read, source: p.Source | None) -> None:
         h = self.held
         try:
             if source is None:
                 raise EngineError(f"hub named source {read.source} without its address")
-            holder = self._peer(source)
+            holder, pairs = self._pairs(read, source)
             desc = holder.described
-            i = read.chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0)
-            if not 0 <= i < len(desc.addrs):
-                raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
-            tiled = h.placed.parts.get(read.chunk)
-            if read.partial and tiled is None:
-                raise EngineError(f"{read.source} holds only tiles of chunk {read.chunk}, and we need it whole")
-            if tiled is None or read.partial:  # (partial: a holder of our layout has our tiles, laid out as ours)
-                view = h.placed.views[read.chunk]
-                pairs = [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)]
-            else:  # another layout: only the tiles our boxes need, one descriptor per row of strips
-                pairs = [Pair(desc.addrs[i] + at, v.data_ptr(), v.nbytes) for at, v in tiled.pairs]
             # both devices named: NIXL matches descriptors by device id, and a
             # description that disagrees with the holder's answer is refused, not misread
             xfer = holder.engine.read(holder.peer, pairs, h.placed.device, remote_device=desc.device)

@@ -125,6 +125,10 @@ class Failed:
 class Reader:
     wanted: int  # bitset of the chunks to read
     window: int = 4  # transfers at once
+    # ... and at once from one source: a chunk is relayed only once it has landed whole,
+    # so a reader spreading its window over one parent's chunks makes each chunk land
+    # later (its flows share the parent's link) and every level of a tree adds that.
+    per_source: int = 1
     report_every: int = 8  # verified chunks per progress report
     read_timeout: float = 30.0  # one transfer
     wait_timeout: float = 120.0  # one chunk waiting on its source's notice
@@ -266,6 +270,8 @@ class Reader:
         ready = sorted(self.by[READY])
         for _ in range(min(room, len(ready))):
             c = min(ready, key=lambda x: (busy.get(self.source[x], 0), x))
+            if busy.get(self.source[c], 0) >= self.per_source:
+                return
             ready.remove(c)
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1
             self._set(c, READING, now)

@@ -58,3 +58,15 @@ def test_replay_refuses_an_option_it_does_not_use():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["mode"] == "replay"
+
+
+def test_a_scheduled_reader_costs_the_hub_a_handful_of_ops_not_one_per_window():
+    sched = hubreplay.run(protocol="schedule", **SMALL)
+    window = hubreplay.run(protocol="window", window=4, **SMALL)
+    readers = SMALL["endpoints"] - 1
+    for key in ("v1", "v2"):
+        # a schedule, then a report per quarter of the chunks at most
+        assert sched[key]["plans"] <= 5 * readers, sched[key]["ops"]
+        assert "progress" not in sched[key]["ops"]
+        assert window[key]["plans"] + window[key]["ops"].get("progress", 0) > 2 * sched[key]["plans"]
+    assert [tuple(v) for v in sched["versions"]] == [(1, "READY", 24), (2, "READY", 24)]

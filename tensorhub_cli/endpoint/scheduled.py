@@ -1,0 +1,306 @@
+"""The scheduled fetch: ``endpoint.reader.Reader`` driven by real sockets and engines.
+
+Protocol (one ``ScheduledFetch`` per replica being filled, on the caller's thread).
+The core decides; this module carries out its actions and turns what happens into
+its events, on one queue the fetch thread blocks on (until the core's ``wake_at`` or
+the deadline): nothing here polls.
+
+- ``Ask``: a ``Plan`` with ``schedule`` (carrying the verified and failed chunks),
+  sent by one hub thread (the fetch's own socket); its reply is ``Answer``. A hub that
+  restarted is waited for as the windowed loop does (``unknown_endpoint``: our
+  re-registration; ``rebuilding``: again shortly); a reply lost past ``plan_timeout``
+  is asked again (progress is idempotent); any other refusal ends the fetch.
+- ``Start``: one engine read, as the windowed loop builds it (``Fetch._begin``); the
+  engine's ``when_over`` puts its end on the queue (``Landed``).
+- ``Verify``: the checksum on a verifier thread; its end is ``Checked``. A verified
+  chunk is scattered, counted, and ``mark_held``: readers waiting on us hear of it.
+- ``Await``: ``wire.await_chunks`` on the source (a thread per source waited on): its
+  answer is ``Noticed``; a refusal or a dead source, ``AwaitFailed``.
+- ``Stop``: the engine is told to stop the read; ``Stopped`` once it confirms.
+
+``stop`` and ``unpinned`` (a failed fetch's clean-up) are the windowed loop's, over
+the same records (``inflight``, ``stopping``, ``verifying``), with the core's
+unreported results added.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..engines import wire
+from ..engines.base import EngineError
+from ..errors import FetchError
+from ..hub import protocol as p
+from ..hub.client import HubClient, HubError
+from . import reader as core
+from . import streams
+from .fetch import Fetch
+from .inflight import Reading, Stopping, Verifying
+
+log = logging.getLogger("tensorhub.fetch")
+
+AWAIT_S = 20.0  # one wait on a source's notice (the holder caps it at 30 s); then asked again
+WAIT_TIMEOUT_S = 120.0  # a chunk waiting this long on its source is re-planned (the source fell behind)
+
+
+class ScheduledFetch(Fetch):
+    def _loop(self) -> None:
+        h = self.held
+        wanted = (1 << len(h.placed.views)) - 1 if h.placed.wanted is None else sum(1 << c for c in h.placed.wanted)
+        wanted &= ~sum(1 << c for c in (*h.held, *h.passed))
+        n = wanted.bit_count()
+        self.core = core.Reader(wanted, window=self.window, report_every=max(8, n // 4),
+                                read_timeout=self.read_timeout, wait_timeout=WAIT_TIMEOUT_S)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.sources: dict[str, p.Source] = {}
+        self.asked = None
+        hub = ThreadPoolExecutor(1, thread_name_prefix="th-plan")
+        waits = ThreadPoolExecutor(8, thread_name_prefix="th-await")
+        self._waits = waits
+        self._hub = hub
+        events: list = []
+        try:
+            while True:
+                now = time.monotonic()
+                self._tick(now)
+                if now > self.deadline:
+                    raise FetchError(f"timed out with {len(h.held) + len(h.passed)}/{h.wanted} chunks verified")
+                if self.ep.service.fenced:
+                    raise FetchError(self.ep.service.fenced)
+                for action in self.core.step(now, events):
+                    if self._act(action):
+                        return
+                wait = min(self.core.wake_at, self.deadline) - time.monotonic()
+                events = []
+                try:
+                    events.append(self._event(self.q.get(timeout=max(0.0, min(wait, 3600.0)))))
+                    while True:
+                        events.append(self._event(self.q.get_nowait()))
+                except queue.Empty:
+                    pass
+                events = [e for e in events if e is not None]
+        finally:
+            waits.shutdown(wait=False, cancel_futures=True)
+            hub.shutdown(wait=False, cancel_futures=True)
+
+    # --- actions --------------------------------------------------------------------------
+    def _act(self, a) -> bool:
+        """Carry out one action; True once the fetch is done."""
+        h = self.held
+        if isinstance(a, core.Start):
+            self._begin(a.chunk, a.source, a.partial)
+        elif isinstance(a, core.Verify):
+            self.verifying[a.chunk] = Verifying(a.source, self.ep.verifiers.submit(
+                h.placed.check, a.chunk, h.expected(a.chunk)))
+            self.verifying[a.chunk].digest.add_done_callback(lambda f, c=a.chunk: self.q.put(("checked", c)))
+        elif isinstance(a, core.Await):
+            self._waits.submit(self._await, a.source, a.chunks)
+        elif isinstance(a, core.Stop):
+            self._stop_read(a.chunk)
+        elif isinstance(a, core.Ask):
+            op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
+                        chunks=list(a.done), failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
+                        incarnation=self.ep.incarnation, want=h.want(), partial=list(a.partial),
+                        layout=h.placed.layout, schedule=True)
+            self.asked = op
+            self._hub.submit(self._plan, op)
+        elif isinstance(a, core.Done):
+            return True
+        elif isinstance(a, core.Failed):
+            raise FetchError(a.message)
+        return False
+
+    def _begin(self, chunk: int, source_name: str, partial: bool) -> None:
+        source = self.sources.get(source_name)
+        read = p.Read(chunk=chunk, source=source_name, partial=partial)
+        try:
+            if source is None:
+                raise EngineError(f"hub named source {source_name} without its address")
+            holder, pairs = self._pairs(read, source)
+            xfer = holder.engine.read(holder.peer, pairs, self.held.placed.device,
+                                      remote_device=holder.described.device)
+        except (EngineError, wire.PeerError) as exc:
+            self._warn(source_name, f"read of chunk {chunk} from {source_name} failed to start: {exc}")
+            self.peers.pop(source_name, None)
+            self.q.put(("landed", chunk, None, "failed"))
+            return
+        with self.held.lock:
+            self.held.reading[chunk] = source_name
+        self.inflight[chunk] = Reading(source_name, holder.engine, xfer, time.monotonic())
+        self.publisher_read[chunk] = holder.described.rank >= 0
+        holder.engine.when_over(xfer, lambda state, c=chunk, x=xfer: self.q.put(("landed", c, x, state)))
+
+    def _stop_read(self, chunk: int) -> None:
+        reading = self.inflight.pop(chunk, None)
+        if reading is None:
+            self.q.put(("stopped", chunk))
+            return
+        self.stopping[chunk] = Stopping(reading.source, reading.engine, reading.xfer, report=False)
+        if reading.engine.release(reading.xfer):
+            self.q.put(("stopped", chunk))
+        else:  # once the engine says it is over, it can be released for good
+            reading.engine.when_over(reading.xfer, lambda state, c=chunk: self.q.put(("stopped", c)))
+
+    # --- the threads that wait ----------------------------------------------------------------
+    def run(self) -> None:
+        """Until the hub says we hold everything (``_loop``)."""
+        self._ticked = time.monotonic()
+        try:
+            self._loop()
+        finally:
+            self._tick(time.monotonic())
+
+    def _plan(self, op: p.Plan) -> None:
+        """On the hub thread, with a socket of its own (a zmq socket stays on one
+        thread; one per plan, as plans are a handful per fetch): the plan's answer (or
+        refusal) onto the queue."""
+        client = HubClient(self.ep._hub, self.ep._token, source=self.ep.host)
+        try:
+            self._plan_on(client, op)
+        finally:
+            client.close()
+
+    def _plan_on(self, client: HubClient, op: p.Plan) -> None:
+        while time.monotonic() < self.deadline:
+            registrations = self.ep.service.registrations
+            try:
+                body = client.wait(client.send(op), max(0.05, min(self.plan_timeout,
+                                                                            self.deadline - time.monotonic())))
+            except HubError as exc:
+                if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
+                    time.sleep(0.05)
+                    self.ep._await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
+                    continue
+                if exc.code == "rebuilding":
+                    time.sleep(min(0.1, max(0.0, self.deadline - time.monotonic())))
+                    continue
+                self.q.put(("refused", f"hub refused plan of {self.held.model}@{self.held.version}: {exc}"))
+                return
+            except Exception as exc:  # lost (timed out, or sent to a hub since restarted): again, same report
+                if registrations == self.ep.service.registrations:
+                    log.debug("plan of %s@%s unanswered (%s); asking again", self.held.model, self.held.version, exc)
+                continue
+            self.q.put(("answer", body))
+            return
+        self.q.put(("refused", "timed out waiting for the hub's plan"))
+
+    def _await(self, source_name: str, chunks: int) -> None:
+        source = self.sources.get(source_name)
+        left = self.deadline - time.monotonic()
+        try:
+            if source is None:
+                raise wire.PeerError(f"no address for {source_name}")
+            have = wire.await_chunks(source.engine_meta.decode(), self.ep._token, self.held.model,
+                                     self.held.version, chunks, timeout=max(0.0, min(AWAIT_S, left)),
+                                     source=self.ep.host)
+        except (wire.PeerError, OSError, ValueError) as exc:
+            self._warn(source_name, f"waiting on {source_name} for chunks of {self.held.model}@"
+                                    f"{self.held.version} failed: {exc}")
+            self.q.put(("await_failed", source_name))
+            return
+        self.q.put(("noticed", source_name, have))
+
+    # --- events -------------------------------------------------------------------------------
+    def _event(self, item):
+        """A queued happening as the core's event (None: nothing for the core)."""
+        kind = item[0]
+        h = self.held
+        if kind == "answer":
+            planned: p.Planned = item[1]
+            self.asked = None
+            for s in planned.sources:
+                self.sources[s.name] = s
+            with h.lock:
+                for r in planned.reads:
+                    if r.chunk not in h.held and r.chunk not in h.passed:
+                        h.reading.setdefault(r.chunk, r.source)
+            return core.Answer([(r.chunk, r.source, r.ready, r.partial) for r in planned.reads], planned.complete)
+        if kind == "refused":
+            return core.Refused(item[1])
+        if kind == "noticed":
+            return core.Noticed(item[1], item[2])
+        if kind == "await_failed":
+            return core.AwaitFailed(item[1])
+        if kind == "landed":
+            chunk, xfer, state = item[1], item[2], item[3]
+            reading = self.inflight.get(chunk)
+            if xfer is not None and (reading is None or reading.xfer is not xfer):
+                return None  # a read given up on already (its Stop handles it)
+            if reading is not None:
+                self._finish(chunk)
+            if state == "failed":
+                if reading is not None:
+                    self.peers.pop(reading.source, None)
+                self.stats["failed"] += 1
+                self._unread(chunk)
+                return core.Landed(chunk, False)
+            return core.Landed(chunk, True)
+        if kind == "checked":
+            chunk = item[1]
+            verifying = self.verifying.pop(chunk)
+            if not verifying.digest.result():
+                self._warn(verifying.source, f"chunk {chunk} from {verifying.source} failed its checksum; re-planning it")
+                self.stats["corrupt"] += 1
+                self._unread(chunk)
+                return core.Checked(chunk, False)
+            return core.Checked(chunk, True, self._verified(chunk, verifying.source))
+        if kind == "stopped":
+            chunk = item[1]
+            stopping = self.stopping.pop(chunk, None)
+            if stopping is not None and not stopping.engine.release(stopping.xfer):
+                self.stopping[chunk] = stopping  # not over yet after all: wait for it again
+                stopping.engine.when_over(stopping.xfer, lambda state, c=chunk: self.q.put(("stopped", c)))
+                return None
+            self._unread(chunk)
+            return core.Stopped(chunk)
+        raise AssertionError(f"unknown fetch event {kind!r}")
+
+    def _verified(self, chunk: int, source: str) -> bool:
+        """A chunk passed its checksum: scatter it, count it, hold it. True if read in part."""
+        h = self.held
+        placed = h.placed
+        if placed.finish(chunk):
+            h.written = streams.scattered(placed.device)
+        partial = chunk in placed.parts
+        if partial:
+            with h.lock:
+                h.passed.add(chunk)
+                h.reading.pop(chunk, None)
+        else:
+            with h.lock:
+                h.reading.pop(chunk, None)
+            h.mark_held([chunk])
+        nbytes = placed.read_bytes(chunk)
+        self.stats["bytes"] += nbytes
+        self.stats["reads"] += 1
+        if self.publisher_read.pop(chunk, False):
+            self.stats["from_publishers"] += nbytes
+        return partial
+
+    def _unread(self, chunk: int) -> None:
+        with self.held.lock:
+            self.held.reading.pop(chunk, None)
+
+    # --- after a failure ----------------------------------------------------------------------
+    def unpinned(self) -> p.Progress:
+        """As the windowed loop's: the reads that ended, with the core's unreported
+        results and the plan in flight's (its reply may never come)."""
+        h = self.held
+        c = getattr(self, "core", None)
+        done = list(c.done) if c else []
+        partial = list(c.passed) if c else []
+        failed = [p.Read(chunk=x, source=s) for x, s in (c.failed if c else [])]
+        failed += [p.Read(chunk=x, source=v.source) for x, v in self.verifying.items()]
+        failed += self.failed
+        if c:  # scheduled, not started: nothing of ours touches the source; unpin them
+            for x in (*c.by[core.WAITING], *c.by[core.READY]):
+                failed.append(p.Read(chunk=x, source=c.source[x]))
+        if self.asked is not None:
+            done += self.asked.chunks
+            failed += self.asked.failed
+            partial += self.asked.partial
+        return p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed,
+                          incarnation=self.ep.incarnation, partial=partial, layout=h.placed.layout)
