@@ -67,7 +67,7 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
                                 "(or is still fetching it); unpublish it first")
         held = set_up(ep, resolved, into, deadline)
     set_up_at = time.monotonic()
-    job = (ScheduledFetch if ep.schedule else Fetch)(ep, held, deadline, window,
+    job = (ScheduledFetch if getattr(ep, "schedule", True) else Fetch)(ep, held, deadline, window,
                 read_timeout=ep.read_timeout_s if read_timeout is None else read_timeout,
                 plan_timeout=ep.plan_timeout_s if plan_timeout is None else plan_timeout,
                 describe_timeout=ep.call_timeout_s)

@@ -125,9 +125,11 @@ class Failed:
 class Reader:
     wanted: int  # bitset of the chunks to read
     window: int = 4  # transfers at once
-    # ... and at once from one source: a chunk is relayed only once it has landed whole,
-    # so a reader spreading its window over one parent's chunks makes each chunk land
-    # later (its flows share the parent's link) and every level of a tree adds that.
+    # ... and at once from one relay (a source scheduled to hold chunks it did not yet:
+    # a tree parent): a chunk is relayed only once it has landed whole, so a reader
+    # spreading its window over one parent's chunks makes each land later (its flows
+    # share the parent's link), and every level of a tree adds that. Holders that had
+    # our chunks when scheduled (publishers, complete replicas) take the whole window.
     per_source: int = 1
     report_every: int = 8  # verified chunks per progress report
     read_timeout: float = 30.0  # one transfer
@@ -141,6 +143,7 @@ class Reader:
     passed: list[int] = field(default_factory=list)
     failed: list[tuple[int, str]] = field(default_factory=list)
     awaiting: set[str] = field(default_factory=set)  # sources with an Await outstanding
+    relays: set[str] = field(default_factory=set)  # sources scheduled for a chunk they did not hold yet
     asked: bool = False
     over: bool = False
     wake_at: float = float("inf")
@@ -236,6 +239,8 @@ class Reader:
                     self._set(chunk, STOPPING, now)
                     out.append(Stop(chunk))
                 continue
+            if not ready:
+                self.relays.add(source)
             moved = self.source.get(chunk) != source
             self.source[chunk] = source
             (self.partial.add if partial else self.partial.discard)(chunk)
@@ -270,7 +275,7 @@ class Reader:
         ready = sorted(self.by[READY])
         for _ in range(min(room, len(ready))):
             c = min(ready, key=lambda x: (busy.get(self.source[x], 0), x))
-            if busy.get(self.source[c], 0) >= self.per_source:
+            if self.source[c] in self.relays and busy.get(self.source[c], 0) >= self.per_source:
                 return
             ready.remove(c)
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1

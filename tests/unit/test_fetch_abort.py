@@ -57,6 +57,7 @@ def test_a_failed_fetch_drops_its_replica_only_after_the_hub_drained_it(monkeypa
     reader.name, reader.call_timeout_s, reader.drain_timeout_s = "reader", 0.1, 5.0
     publish(pub, 1, weights(1))
     monkeypatch.setattr(fetching, "Fetch", ServedThenFailed)
+    monkeypatch.setattr(fetching, "ScheduledFetch", ServedThenFailed)  # (the job class either way)
     dropped = []
     real_drop = reader._drop
     monkeypatch.setattr(reader, "_drop", lambda held, **kw: (dropped.append(list(log)), real_drop(held, **kw)))
@@ -84,6 +85,7 @@ def test_a_failed_fetch_does_not_wait_out_the_drain_bound_for_a_hub_that_answers
     reader.service.last_error = "test: the hub did not answer our last beat"
     publish(pub, 1, weights(1))
     monkeypatch.setattr(fetching, "Fetch", ServedThenFailed)
+    monkeypatch.setattr(fetching, "ScheduledFetch", ServedThenFailed)  # (the job class either way)
     began = time.monotonic()
     with pytest.raises(FetchError, match="failed after serving"):
         reader.fetch("m", 1, into={k: torch.zeros_like(v) for k, v in weights(1).items()}, timeout=5)

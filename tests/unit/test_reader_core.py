@@ -95,11 +95,20 @@ def test_the_hubs_stale_not_ready_never_undoes_a_notice():
     assert r.state[1] == core.READY
 
 
-def test_one_read_at_a_time_per_source_so_a_relayed_chunk_lands_whole_soonest():
+def test_one_read_at_a_time_per_relay_so_a_relayed_chunk_lands_whole_soonest():
     r = core.Reader(0b1111, window=4, per_source=1)
     r.step(0.0)
-    out = r.step(0.0, [core.Answer([(c, "p" if c < 2 else "q", True, False) for c in range(4)])])
+    # p and q relay (scheduled before they held these chunks); they noticed us of all four
+    r.step(0.0, [core.Answer([(c, "p" if c < 2 else "q", False, False) for c in range(4)])])
+    out = r.step(0.1, [core.Noticed("p", 0b11), core.Noticed("q", 0b1100)])
     assert sorted((a.source, a.chunk) for a in out if isinstance(a, core.Start)) == [("p", 0), ("q", 2)]
+
+
+def test_a_holder_that_had_the_chunks_when_scheduled_takes_the_whole_window():
+    r = core.Reader(0b1111, window=4, per_source=1)
+    r.step(0.0)
+    out = r.step(0.0, [core.Answer([(c, "pub", True, False) for c in range(4)])])
+    assert sorted(a.chunk for a in out if isinstance(a, core.Start)) == [0, 1, 2, 3]
 
 
 class ReaderMachine(RuleBasedStateMachine):

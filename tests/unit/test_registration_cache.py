@@ -147,6 +147,7 @@ def rig(monkeypatch):
     log: list = []
     engine, hub = CountingEngine(log), Hub(log)
     monkeypatch.setattr(fetching, "Fetch", CopyFetch)
+    monkeypatch.setattr(fetching, "ScheduledFetch", CopyFetch)  # (the job class either way)
     CopyFetch.source = {}
     return engine, hub
 
@@ -342,9 +343,11 @@ def test_a_destination_a_given_up_read_may_still_write_is_fenced_until_the_read_
     into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
     GiveUpFetch.engine = stuck = Stuck()
     monkeypatch.setattr(fetching, "Fetch", GiveUpFetch)
+    monkeypatch.setattr(fetching, "ScheduledFetch", GiveUpFetch)  # (the job class either way)
     with pytest.raises(FetchError, match="stalled"):
         reader.fetch("m", 1, into=into, timeout=5)
     monkeypatch.setattr(fetching, "Fetch", CopyFetch)
+    monkeypatch.setattr(fetching, "ScheduledFetch", CopyFetch)  # (the job class either way)
     with pytest.raises(FetchError, match="may still be written by 1 given-up read"):
         reader.fetch("m", 2, into=into, timeout=0.3)
     assert len(engine.calls("register")) == 1, "memory a read may still write was registered again"

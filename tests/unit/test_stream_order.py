@@ -79,6 +79,7 @@ def log(monkeypatch):
     monkeypatch.setattr(publishing, "lay_out", lay_out_logged)
     monkeypatch.setattr(Placed, "finish", finish_logged)
     monkeypatch.setattr(fetching, "Fetch", CopyFetch)
+    monkeypatch.setattr(fetching, "ScheduledFetch", CopyFetch)  # (the job class either way)
     CopyFetch.source = {}
     return log
 
