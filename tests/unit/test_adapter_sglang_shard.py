@@ -66,6 +66,8 @@ def test_two_tp_ranks_read_their_shards_and_hold_what_their_loaders_make_of_the_
                 assert g["version"] == v and g["path"] == "shard" and g["equal"], g
                 assert g["shard_bytes"] < total * 0.6, (g, total)  # a shard: half the model and its norms
                 assert 0 < g["bytes"] <= g["shard_bytes"] * 1.05, g
+        again = [r.ask("load", version=2, seed=2, timeout=120) for r in ranks]  # (the version it holds)
+        assert all(g["version"] == 2 and g["equal"] for g in again), again
     finally:
         for r in ranks:
             r.stop()
