@@ -10,7 +10,8 @@ Protocol. One module per stack, each speaking that stack's own interface:
   registers it (``custom_backend_module``), so it needs verl at import: without verl it
   raises ``ImportError`` saying how to install it.
 - ``sglang``: ``load`` for SGLang's ``update_weights_from_tensor(load_format=...)``,
-  allowed by ``--custom-weight-loader tensorhub_cli.adapters.sglang.load``.
+  allowed by ``--custom-weight-loader tensorhub_cli.adapters.sglang.load``; each TP
+  rank reads its shard where ``layout.sglang_map`` maps the model.
 - ``hf``: publish and fetch a ``transformers`` model by its HF names; read sharded
   checkpoint directories (``th publish --from HF_DIR``).
 """

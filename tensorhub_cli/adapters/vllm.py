@@ -38,10 +38,10 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
 
   A version whose tensors differ from the checkpoint's is refused before a byte moves.
   Where the map cannot be derived (a loader that transposes or repacks on load, no
-  local checkpoint), the worker says so once and takes the *whole* path: the version
-  in HF names into a staging copy, loaded by ``model.load_weights`` inside vLLM's
-  layerwise reload (its loader slices and fuses), the staging copy kept published and
-  the previous one unpublished after the load.
+  local checkpoint), the worker says so once and takes the *whole* path
+  (``vllm_whole``): the version in HF names into a staging copy, loaded by
+  ``model.load_weights`` inside vLLM's layerwise reload (its loader slices and fuses),
+  the staging copy kept published and the previous one unpublished after the load.
 - ``metrics`` (last update): the fetch's stages (``last_fetch``), ``path``,
   ``shard_bytes``, and the pause's stages: ``take_s`` (getting the shadow: ``wait_s``
   for the read ahead, ``fetch_in_pause_s`` where it missed), ``load_s`` (the apply: ``copy_s`` + ``process_s`` +
@@ -51,11 +51,9 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
 - ``shutdown``: joins the adapter's threads (bounded) and closes the endpoint (which
   unpublishes what it holds).
 
-Why the whole path's layerwise reload runs inside ``receive_weights`` and not across
-start/finish as in vLLM's IPC engine: ``initialize_layerwise_reload`` moves the
-parameters to meta, and vLLM's worker never calls finish after a failed
-``update_weights``; starting it only once the bytes are here and verified keeps a
-failed fetch from touching the model.
+This module is the engine's hooks (registration, init, the lifecycle above, shutdown);
+the update flows are ``vllm_shadow`` (sharded) and ``vllm_whole`` (whole tensors), what
+the user sees is ``vllm_report``.
 
 Importing this module needs neither vLLM nor the endpoint stack: both are imported on use.
 """
@@ -70,84 +68,13 @@ from pathlib import Path
 from typing import Optional
 
 from .vllm_info import FETCH_TIMEOUT_S, InitInfo, UpdateInfo
+from .vllm_report import expose_metrics, summary, vlog
+from .vllm_whole import CLOSE_DRAIN_S, QuietBufferOnly, Whole, staging_for
 
 log = logging.getLogger(__name__)
 
 BACKEND = "tensorhub"
-__all__ = ["BACKEND", "InitInfo", "UpdateInfo", "register", "staging_for"]
-CLOSE_DRAIN_S = 30.0
-_FETCH_STAGES = ("resolve_s", "setup_s", "plan_wait_s", "transfer_s", "verify_s", "wall_s")
-
-
-def staging_for(shards: list) -> tuple[dict, dict]:
-    """(the fetch destination, the same memory as {HF name: whole tensor}) for a manifest.
-
-    A version published as whole tensors is held as laid out (``layout.allocate``), so a
-    second engine reads it chunk for chunk. One published in boxes (an FSDP trainer's
-    shards) is assembled into whole tensors (``whole`` targets): ``load_weights`` wants
-    whole HF tensors."""
-    import torch
-
-    from ..layout import allocate, whole
-
-    if not any(t.global_shape for m in shards for t in m.tensors):
-        into = allocate(shards)
-        return into, into
-    tensors = {}
-    for m in shards:
-        for t in m.tensors:
-            if t.name not in tensors:
-                shape = t.global_shape or t.shape
-                tensors[t.name] = torch.empty(tuple(shape), dtype=getattr(torch, t.dtype))
-    return {name: whole(name, t) for name, t in tensors.items()}, tensors
-
-
-LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-class QuietBufferOnly(logging.Filter):
-    """Drops vLLM's "<Layer>: Failed to load weights" for the layer classes of ``model``
-    that hold buffers and no parameter (a rotary embedding's cos/sin cache): nothing in
-    a checkpoint loads them, so the warning is spurious on every reload. A class with a
-    parameter anywhere in the model keeps its warning."""
-
-    MESSAGE = "%s: Failed to load weights"
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        with_params, buffer_only = set(), set()
-        for module in model.modules():
-            name = type(module).__name__
-            if any(True for _ in module.parameters(recurse=False)):
-                with_params.add(name)
-            elif any(True for _ in module.buffers(recurse=False)):
-                buffer_only.add(name)
-        self.classes = buffer_only - with_params
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == self.MESSAGE and record.args and record.args[0] in self.classes)
-
-
-def vlog() -> logging.Logger:
-    """vLLM's own logger tree (``vllm.*``): what a vLLM user sees, formatted as vLLM's."""
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.tensorhub")
-
-
-def summary(model: str, m: dict) -> str:
-    """The one line per update: version, bytes, where from, each stage, the pause."""
-    if not m:
-        return f"{model}: no update (it failed)"
-    stages = ("take_s", "wait_s", "fetch_in_pause_s", "copy_s", "process_s", "prepared_s", "load_s", "between_s",
-              "finish_s", "pause_s") if m.get("path") == "shard" \
-        else ("resolve_s", "setup_s", "plan_wait_s", "transfer_s", "verify_s", "load_s", "pause_s")
-    where = f"{m.get('reads', 0)} reads, {m.get('from_publishers', 0)} from publishers"
-    shard = f" of a {m['shard_bytes']} B shard" if "shard_bytes" in m else " (whole model)"
-    fetched = (" in the pause" if m.get("fetch_in_pause") else f" before the pause ({m.get('prefetch_s', 0.0):.3f}s)") \
-        if m.get("path") == "shard" else ""
-    return (f"loaded {model}@{m.get('version')}: read {m.get('bytes', 0)} B{shard}{fetched}, {where}; "
-            + ", ".join(f"{s}={m[s]:.3f}" for s in stages if isinstance(m.get(s), float)))
+__all__ = ["BACKEND", "InitInfo", "UpdateInfo", "QuietBufferOnly", "register", "staging_for", "summary"]
 
 
 def withdraw(endpoint, model: str, versions: set, deadline: float) -> None:
@@ -178,23 +105,6 @@ def withdraw(endpoint, model: str, versions: set, deadline: float) -> None:
     endpoint.close(drain_timeout=min(2.0, max(0.0, deadline - time.monotonic())) if reachable else 0)
 
 
-def expose_metrics() -> None:
-    """The adapter's histograms (``endpoint.metrics``) also in prometheus_client's
-    default registry, the one vLLM's ``/metrics`` serves where the worker shares its
-    process (an in-process engine core); once per process."""
-    import prometheus_client
-
-    from ..endpoint.metrics import REGISTRY
-
-    class Ours:
-        def collect(self):
-            yield from REGISTRY.collect()
-
-    if not getattr(prometheus_client.REGISTRY, "_tensorhub", False):
-        prometheus_client.REGISTRY.register(Ours())
-        prometheus_client.REGISTRY._tensorhub = True
-
-
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register backend ``"tensorhub"`` (idempotent:
     vLLM loads plugins in every process, sometimes more than once)."""
@@ -220,7 +130,7 @@ def _engine_class():
             self.endpoint = None
             self.model_name: Optional[str] = None
             self.loaded: Optional[int] = None  # the version the model holds (None: its own from disk)
-            self._staging: dict[int, dict] = {}  # version -> {HF name: tensor}; published while kept
+            self.whole = None  # the whole-tensor path (vllm_whole): its staging copies, published while kept
             self._paused_at: Optional[float] = None
             self.metrics: dict = {}
             self._received_at: Optional[float] = None
@@ -264,6 +174,7 @@ def _engine_class():
                 token = Path(init_info.token_file).read_text().strip()
                 self.endpoint = connect(hub=init_info.hub, token=token, **options)
             self.model_name = init_info.model
+            self.whole = Whole(self.endpoint, self.model_name, self.model, self.model_config)
             log.info("tensorhub: %s connected for model %s", self.endpoint.name, self.model_name)
             expose_metrics()
             self._derive()
@@ -351,78 +262,8 @@ def _engine_class():
             self._received_at = applied  # (what follows counts as vLLM's: between_s)
 
         def _receive_whole(self, update_info: UpdateInfo) -> None:
-            made: dict = {}
-
-            def into(shards):
-                destination, tensors = staging_for(shards)
-                made["tensors"] = tensors
-                return destination
-
-            # (no group=: the endpoint resolves `latest` with the group it was connected with)
-            version = self.endpoint.fetch(self.model_name, update_info.version, into=into,
-                                          timeout=update_info.timeout, wait=update_info.wait)
-            fetched = dict(self.endpoint.last_fetch or {})
-            if "tensors" not in made:
-                # `into` not called: we already hold `version` complete (our staging copy).
-                if version != self.loaded or version not in self._staging:
-                    raise RuntimeError(f"{self.endpoint.name}: fetch of {self.model_name}@{version} returned "
-                                       "a replica this engine did not stage")
-                self.metrics = {"version": version, **fetched, "load_s": 0.0}
-                return
-            staging = made["tensors"]
-            self._staging[version] = staging
-            started = time.monotonic()
-            try:
-                self._load(staging)
-            except Exception as exc:
-                restored = self._recover(version)
-                # vLLM's loaders often fail on a bare assert: say what was being loaded.
-                raise RuntimeError(f"{self.endpoint.name}: vLLM's load_weights failed on {self.model_name}@"
-                                   f"{version} ({type(exc).__name__}: {exc}); {restored}") from exc
-            self.metrics = {"version": version, **fetched, "load_s": time.monotonic() - started}
-            previous, self.loaded = self.loaded, version
-            if previous is not None and previous != version:
-                self._drop(previous)
-
-        def _load(self, staging: dict) -> None:
-            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload, initialize_layerwise_reload)
-
-            initialize_layerwise_reload(self.model)
-            try:
-                with disable_mtp_completeness_check():
-                    self.model.load_weights(staging.items())
-            finally:
-                # Always: it puts every layer back on its device (kernel tensors where
-                # nothing loaded), so even a failed load leaves a runnable model.
-                quiet = QuietBufferOnly(self.model)
-                logging.getLogger(LAYERWISE_LOGGER).addFilter(quiet)
-                try:
-                    finalize_layerwise_reload(self.model, self.model_config)
-                finally:
-                    logging.getLogger(LAYERWISE_LOGGER).removeFilter(quiet)
-
-        def _recover(self, failed: int) -> str:
-            """A load that failed may have written some layers: load the previous staging
-            copy again (when there is one), and let the failed version's copy go. Says
-            what the model holds now."""
-            self._drop(failed)
-            if self.loaded is None or self.loaded not in self._staging:
-                return "the model may hold part of it (no earlier TensorHub version to load back)"
-            try:
-                self._load(self._staging[self.loaded])
-            except Exception as exc:
-                log.exception("tensorhub: loading %s@%s back failed", self.model_name, self.loaded)
-                return f"loading {self.model_name}@{self.loaded} back failed too ({type(exc).__name__}: {exc})"
-            return f"{self.model_name}@{self.loaded} was loaded back and serves"
-
-        def _drop(self, version: int) -> None:
-            self._staging.pop(version, None)
-            try:
-                self.endpoint.unpublish(self.model_name, version, timeout=CLOSE_DRAIN_S)
-            except Exception as exc:  # the copy is gone from our side either way; say so
-                log.warning("tensorhub: unpublish %s@%s: %s", self.model_name, version, exc)
+            self.metrics = self.whole.receive(update_info)
+            self.loaded = self.whole.loaded
 
         def finish_weight_update(self) -> None:
             started = time.monotonic()
@@ -447,16 +288,17 @@ def _engine_class():
             holds of the loaded version (tests compare it with the checkpoint)."""
             if self.shadows is not None:
                 return self.shadows.slices()
-            return [(name, None, t) for name, t in self._staging.get(self.loaded, {}).items()]
+            return self.whole.held_slices() if self.whole is not None else []
 
         def shutdown(self) -> None:
             endpoint, self.endpoint = self.endpoint, None
             shadows, self.shadows = self.shadows, None
             deadline = time.monotonic() + CLOSE_DRAIN_S
-            versions = set(self._staging)
+            versions = set(self.whole.staging) if self.whole is not None else set()
             if shadows is not None:
                 versions |= shadows.close(CLOSE_DRAIN_S / 2)  # (its threads joined: what it still holds)
-            self._staging.clear()
+            if self.whole is not None:
+                self.whole.staging.clear()
             self.loaded = None
             if endpoint is not None:
                 withdraw(endpoint, self.model_name, versions, deadline)

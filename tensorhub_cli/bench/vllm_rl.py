@@ -43,8 +43,6 @@ from pathlib import Path
 from .rig import Driven, hub
 
 PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8"
-CHUNK_BYTES = 256 << 10
-SMALL_BYTES = 16 << 10
 WORDS = [f"w{i}" for i in range(250)]
 
 
@@ -178,13 +176,9 @@ def trainer(args, out) -> None:
 
     conf = LlamaConfig.from_pretrained(args.dir)
     token = Path(args.token_file).read_text().strip()
-    # A real model's proportions at a small size: a 7B's projections are 32-64 MiB over
-    # 16 MiB chunks, with only norms below the 1 MiB compaction threshold; here 256 KiB
-    # chunks and a 16 KiB threshold, so a TP worker reads its rows' chunks and its
-    # columns' tiles as it would there (the defaults would pack this model's tensors
-    # into shared chunks, which every worker reads whole).
-    with connect(hub=args.hub, token=token, name="trainer", node="trainer-node", engine=args.engine,
-                 chunk_bytes=CHUNK_BYTES, small_bytes=SMALL_BYTES) as ep:
+    # The default chunking, as a user's trainer publishes: its tile grid lets a TP
+    # worker read its rows' and columns' tiles of this small model as of a big one.
+    with connect(hub=args.hub, token=token, name="trainer", node="trainer-node", engine=args.engine) as ep:
         held: list[int] = []
 
         def handle(op: str, cmd: dict) -> dict:

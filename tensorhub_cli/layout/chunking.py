@@ -4,22 +4,31 @@ Protocol. ``lay_out(state_dict, chunk_bytes, small_bytes, digest=None)`` returns
 ``Manifest`` (tensors in the state_dict's order, each chunk's size, checksum and digest
 kind) and the ``Placed`` to register. A value is a tensor (the whole global tensor) or
 a ``targets.Part`` (a box of one: a DTensor's local shard, a TP slice); the manifest
-records each piece's global shape and box (contract 9). Tensors of at least
-``small_bytes`` are chunked where they lie (never copied), each starting a new chunk so
-that a chunk never spans two of them, and cut at row boundaries (a row: the last
-dimension) so a chunk is a block of whole rows; smaller tensors are copied once into one
-staging buffer, laid out first and chunked as a whole. Checksums are taken where the
+records each piece's global shape and box (contract 9). Tensors are chunked where they
+lie (never copied), each starting a new chunk so that a chunk never spans two of them,
+and cut at row boundaries (a row: the last dimension) so a chunk is a block of whole
+rows; only *compact* tensors are copied once into one staging buffer, laid out first
+and chunked as a whole: those below ``small_bytes`` that a reader of another layout
+takes whole anyway (0-D and 1-D: norms, biases, scalars) or that are below one tile
+(``tile_bytes``). A 2-D tensor of a tile or more is never packed with others: a TP
+reader reads its part of it, not a shared chunk whole. Checksums are taken where the
 tensors lie: ``digest=None`` picks the kind from their device (``digest_for``: dev64 on
 a GPU, no host copy; XXH3 on the host); naming a kind forces it (tests hash CPU tensors
 as dev64). A chunk of whole rows is hashed again as tiles (``tiles``): a reader of
-another layout reads and verifies the tiles its box needs, not the chunk. The caller
-must not change the big tensors while the manifest is published: their checksums were
-taken here. Raises ``LayoutError`` (nothing copied) when a tensor cannot register or
-``digest`` names no kind.
+another layout reads and verifies the tiles its box needs, not the chunk. The tile
+grid (``grid_for``) is cut so that a TP reader of either dimension reads exactly its
+part: ``strips`` equal column strips (8, 4 or 2: TP 8, 4, 2 split the columns on strip
+edges) by row blocks of ``tile_rows`` rows, a power of two that divides the tensor's
+TP segment (its rows over 8, 4 or 2) where it can, so a TP split of the rows falls on
+block edges too; chunks hold a whole number of row blocks. The caller must not change
+the big tensors while the manifest is published: their checksums were taken here.
+Raises ``LayoutError`` (nothing copied) when a tensor cannot register or ``digest``
+names no kind.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import prod
 
 from ..engines.base import Region
@@ -39,6 +48,19 @@ TILE_BYTES = 256 << 10
 # little saving.
 MIN_STRIP_BYTES = 64
 STRIPS = (8, 4, 2)
+# A chunk holds at most this many tiles (a digest each in the manifest): the floor on a
+# row block where a tensor's TP segment has few factors of two (an odd vocabulary).
+MAX_TILES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """How a tensor is cut: ``step`` rows per chunk (0: a row is bigger than a chunk,
+    cut in plain byte ranges, no tiles), tiles of ``tile_rows`` rows by ``strips``."""
+
+    step: int
+    tile_rows: int
+    strips: int
 
 
 def rows_of(shape) -> tuple[int, int]:
@@ -65,8 +87,8 @@ def lay_out(state_dict: dict, chunk_bytes: int = CHUNK_BYTES, small_bytes: int =
     if problems:
         raise LayoutError("cannot publish this state_dict", problems)
     kind = digest or digest_for(device)
-    small = {n: t for n, t in tensors.items() if t.nbytes < small_bytes}
-    big = {n: t for n, t in tensors.items() if t.nbytes >= small_bytes}
+    small = {n: t for n, t in tensors.items() if compact(tuple(t.shape), t.nbytes, small_bytes, tile_bytes)}
+    big = {n: t for n, t in tensors.items() if n not in small}
     metas: dict[str, p.TensorMeta] = {}
     placed = Placed(views=[], regions=[], device=device)
     chunks: list[p.ChunkMeta] = []
@@ -86,10 +108,11 @@ def lay_out(state_dict: dict, chunk_bytes: int = CHUNK_BYTES, small_bytes: int =
     for name, t in big.items():
         metas[name] = _meta(name, state_dict[name], offset)
         _register(placed, t, t.nbytes)
-        for view, rows, row_bytes in _row_chunks(t, chunk_bytes):
+        grid = grid_for(tuple(t.shape), t.element_size(), chunk_bytes, tile_bytes)
+        for view, rows, row_bytes in _row_chunks(t, chunk_bytes, grid):
             meta = p.ChunkMeta(nbytes=view.nbytes, checksum=digest_of(view, kind), digest=kind)
             if rows:
-                _tile(meta, view, rows, row_bytes, t.element_size(), kind, tile_bytes)
+                _tile(meta, view, rows, row_bytes, grid, kind)
             placed.views.append(view)
             chunks.append(meta)
         offset += t.nbytes
@@ -128,16 +151,57 @@ def _register(placed: Placed, t, nbytes: int) -> None:
     placed.keep.append(t)
 
 
-def _row_chunks(t, chunk_bytes: int):
-    """(view, rows, row_bytes) per chunk of ``t``: blocks of whole rows when a row fits
-    a chunk (rows = 0 when it does not: plain byte ranges, verified whole)."""
+def compact(shape: tuple, nbytes: int, small_bytes: int, tile_bytes: int) -> bool:
+    """Packed with the other compact tensors into shared chunks: below ``small_bytes``,
+    and either 0-D/1-D (a norm, a bias: a reader of another layout takes it whole or
+    nearly) or smaller than one tile (its part of it would be all rounding)."""
+    return nbytes < small_bytes and (len(shape) <= 1 or nbytes < tile_bytes)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def grid_for(shape: tuple, elem: int, chunk_bytes: int = CHUNK_BYTES, tile_bytes: int = TILE_BYTES) -> Grid:
+    """The chunks and tiles of a tensor of ``shape``. TP splits a tensor's rows or its
+    columns into 2, 4 or 8 equal parts: the columns on strip edges (``strips_for``),
+    the rows on multiples of the *segment* (rows over the largest of 8, 4, 2 dividing
+    them). A row block is the largest power of two that divides the segment, no more
+    rows than a tile of ``tile_bytes`` holds; so every TP edge is a block edge and a
+    TP reader reads exactly its part. Where the segment has few factors of two (an odd
+    vocabulary) the block is at least what keeps a chunk at ``MAX_TILES`` tiles: the
+    rounding is then under one block per edge. A chunk is the most whole row blocks
+    that fit ``chunk_bytes``: the chunk count of a model whose rows are multiples of
+    a tile's (every real one) is what whole-row chunks gave."""
+    rows, per_row = rows_of(shape)
+    row_bytes = per_row * elem
+    if row_bytes == 0 or row_bytes > chunk_bytes:
+        return Grid(0, 0, 1)
+    strips = strips_for(per_row, row_bytes)
+    chunk_rows = chunk_bytes // row_bytes
+    cap = min(_pow2_floor(tile_bytes // (row_bytes // strips)), _pow2_floor(chunk_rows))
+    parts = next((k for k in STRIPS if rows % k == 0), 1)
+    segment = rows // parts
+    aligned = segment & -segment if segment else cap
+    floor = _pow2_ceil(-(-min(rows, chunk_rows) * strips // MAX_TILES))
+    tile_rows = min(cap, max(aligned, floor))
+    return Grid(chunk_rows // tile_rows * tile_rows, tile_rows, strips)
+
+
+def _row_chunks(t, chunk_bytes: int, grid: Grid):
+    """(view, rows, row_bytes) per chunk of ``t``: ``grid.step`` whole rows (rows = 0
+    when a row does not fit a chunk: plain byte ranges, verified whole)."""
     flat = flat_bytes(t)
     _, per_row = rows_of(tuple(t.shape))
     row_bytes = per_row * t.element_size()
-    step = chunk_bytes // row_bytes * row_bytes if 0 < row_bytes <= chunk_bytes else chunk_bytes
+    step = grid.step * row_bytes if grid.step else chunk_bytes
     for start in range(0, t.nbytes, step):
         view = flat[start:start + step]
-        yield view, (view.nbytes // row_bytes if row_bytes <= chunk_bytes else 0), row_bytes
+        yield view, (view.nbytes // row_bytes if grid.step else 0), row_bytes
 
 
 def strips_for(per_row: int, row_bytes: int) -> int:
@@ -149,17 +213,16 @@ def strips_for(per_row: int, row_bytes: int) -> int:
     return 1
 
 
-def _tile(meta: p.ChunkMeta, view, rows: int, row_bytes: int, elem: int, kind: str, tile_bytes: int) -> None:
+def _tile(meta: p.ChunkMeta, view, rows: int, row_bytes: int, grid: Grid, kind: str) -> None:
     """Hash the chunk again as tiles (row blocks x column strips), when there is more
     than one: one contiguous copy per row block, then one digest per strip."""
-    strips = strips_for(row_bytes // elem, row_bytes)
+    strips, tile_rows = grid.strips, grid.tile_rows
     strip = row_bytes // strips
-    tile_rows = max(1, tile_bytes // strip)
     if strips == 1 and tile_rows >= rows:
         return
-    grid = view.view(rows, strips, strip)
+    grid_ = view.view(rows, strips, strip)
     tiles = []
     for r in range(0, rows, tile_rows):
-        block = grid[r:r + tile_rows].permute(1, 0, 2).contiguous()
+        block = grid_[r:r + tile_rows].permute(1, 0, 2).contiguous()
         tiles += [digest_of(block[k].reshape(-1), kind) for k in range(strips)]
     meta.tile_rows, meta.strips, meta.tiles = min(tile_rows, rows), strips, tiles

@@ -159,3 +159,18 @@ def test_tp_workers_read_their_own_shard_before_the_pause_while_the_engine_gener
         assert got["during"] == world["a"][:8], got["during"]
     tokens = engine.ok("generate", prompt=PROMPT, max_tokens=TOKENS)
     assert (tokens == world["a"]) == (source(v) == "A")
+
+
+def test_sglangs_map_over_the_real_tp_model_objects_names_the_boxes_vllms_map_names(world):
+    """SGLang's side (``layout.sglang_map``: its recording over parameters in their
+    loader form, which SGLang's ``begin_weight_update`` makes of its own) run on this
+    real vLLM TP-2 engine's model objects, put in their loader form (vLLM's raw
+    parameters, their own loaders): SGLang's layers keep these loaders' contract. Each
+    rank's every parameter gets the boxes and regions vLLM's own map gives it, and the
+    model still serves what it loaded (its parameters put back)."""
+    before = world["engine"].ok("generate", prompt=PROMPT, max_tokens=TOKENS)
+    for rank, got in enumerate(world["engine"].ok("sglang_probe")):
+        assert "unmapped" not in got, (rank, got)
+        assert got["differ"] == [] and got["same"] > 0, (rank, got)
+        assert got["shard_bytes"][0] == got["shard_bytes"][1], (rank, got)
+    assert world["engine"].ok("generate", prompt=PROMPT, max_tokens=TOKENS) == before

@@ -237,6 +237,52 @@ def engine(args) -> None:
         exposed = sorted({m.name for m in prometheus_client.REGISTRY.collect() if m.name.startswith("th_")})
         return {"classes": engine.classes, "reason": engine.path_reason, "shard_bytes": shard, "metrics": exposed}
 
+    def sglang_probe(worker):
+        # layout.sglang_map's recording and probe over this worker's real vLLM model
+        # objects (SGLang's layers keep vLLM's loader contract), put in their loader
+        # form first, as SGLang's begin_weight_update does for its own: vLLM's raw
+        # parameters (its reload metadata), each with its own loader (vLLM's reload
+        # wrapper taken off). Per parameter: the same boxes and regions as vllm_map's?
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _get_original_loader
+        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+
+        from tensorhub_cli.layout.engine_map import Unmapped
+        from tensorhub_cli.layout.sglang_map import derive
+        from tensorhub_cli.layout.vllm_map import restore, snapshot
+
+        engine = worker.weight_transfer_engine
+        ours, saved, loaders = engine.shadows.emap, [], []
+        try:
+            for _, layer in engine.model.named_modules():
+                info = LAYERWISE_INFO.get(layer)
+                if info is None or not any(p is not None for p in layer._parameters.values()):
+                    continue
+                saved.append((layer, snapshot(layer)))
+                restore_layer_on_meta(layer, info)
+                for param in layer._parameters.values():
+                    if param is not None and "weight_loader" in param.__dict__:
+                        loaders.append((param, param.__dict__["weight_loader"]))
+                        param.__dict__["weight_loader"] = _get_original_loader(param)
+            theirs = derive(engine.model, dict(ours.tensors))
+        except Unmapped as exc:
+            return {"unmapped": str(exc)}
+        finally:
+            for param, loader in loaders:
+                param.__dict__["weight_loader"] = loader
+            for layer, snap in saved:
+                restore(layer, snap)
+        same, differ = 0, []
+        for path, lp in ours.layers.items():
+            for name, pp in lp.params.items():
+                other = theirs.layers[path].params.get(name) if path in theirs.layers else None
+                if other is None:
+                    differ.append(f"{path}.{name}: not mapped")
+                elif other.shape == pp.shape and sorted(map(repr, other.slots)) == sorted(map(repr, pp.slots)):
+                    same += 1
+                else:
+                    differ.append(f"{path}.{name}: {other.shape} {other.slots} vs {pp.shape} {pp.slots}")
+        return {"same": same, "differ": differ, "shard_bytes": [ours.shard_bytes, theirs.shard_bytes]}
+
     def prefetched(worker):
         engine = worker.weight_transfer_engine
         return engine.shadows is None or engine.shadows.prefetched()
@@ -293,6 +339,8 @@ def engine(args) -> None:
                     "during": during, "ranks": llm.collective_rpc(rank_state, args=(cmd.get("dir"),))}
         if op == "info":
             return llm.collective_rpc(info)
+        if op == "sglang_probe":
+            return llm.collective_rpc(sglang_probe)
         if op == "reload":
             llm.collective_rpc("reload_weights", kwargs={"weights_path": cmd["dir"]})
             return None
