@@ -9,8 +9,9 @@ A joining member takes each stripe from the earliest member with a free slot the
 (breadth first, so each stripe's tree stays about log_k(n) deep), or, where none has
 one, from the *roots* (``Roots``, the hub's: holders that hold the chunks now, then a
 DC member that will hold them, then across the DC link). So a member uploads at most
-what it downloads (k children × 1/k of its chunks), the roots send each stripe once
-per swarm, and a chunk moves down a tree as soon as each parent has verified it: the
+what it downloads (k children × 1/k of its chunks; the first member also feeds
+the first interior member of each other stripe), the roots send the swarm one copy,
+and a chunk moves down a tree as soon as each parent has verified it: the
 child waits for its parent's notice (``Read.ready`` False), never for the hub.
 
 Cycles cannot form: a tree parent joined before its child, and a member that asks
@@ -47,7 +48,7 @@ def deal(want: int, k: int) -> list[int]:
 class Member:
     name: str
     index: int  # join order within its swarm
-    slots: int  # children it may still take in its interior stripe
+    slots: dict[int, int]  # stripe -> children it may still take there
 
 
 @dataclass(slots=True)
@@ -89,10 +90,18 @@ class Swarms:
             swarm = self.by_key[(dc, want)] = Swarm(dc, want, stripes, open=[deque() for _ in stripes])
         out: list[tuple[int, str | None]] = []
         for s, chunks in enumerate(swarm.stripes):
-            out.append((chunks, _take_parent(swarm.open[s], usable, avoid)))
-        me = Member(name, len(swarm.members), self.k)
+            out.append((chunks, _take_parent(swarm.open[s], s, usable, avoid)))
+        index = len(swarm.members)
+        slots = {index % self.k: self.k}
+        if index == 0:
+            # The first member takes every stripe from the roots; it also feeds the
+            # first interior member of each other stripe, so the roots (often one
+            # trainer's link) send the swarm one copy, not one plus a stripe per stripe.
+            slots.update({s: 1 for s in range(1, self.k)})
+        me = Member(name, index, slots)
         swarm.members[name] = me
-        swarm.open[me.index % self.k].append(me)
+        for s in sorted(slots):
+            swarm.open[s].append(me)
         self.of[name] = swarm
         return out
 
@@ -103,7 +112,7 @@ class Swarms:
         if swarm is None:
             return
         me = swarm.members.pop(name)
-        me.slots = 0  # dropped from ``open`` lazily, by ``_take_parent``
+        me.slots.clear()  # dropped from ``open`` lazily, by ``_take_parent``
         for dc_feeders in self.feeders.values():
             for chunk in [c for c, n in dc_feeders.items() if n == name]:
                 del dc_feeders[chunk]
@@ -127,14 +136,15 @@ class Swarms:
             del table[chunk]
 
 
-def _take_parent(open_: deque[Member], usable: Callable[[str], bool], avoid: Collection[str]) -> str | None:
-    while open_ and (open_[0].slots <= 0 or not usable(open_[0].name)):
+def _take_parent(open_: deque[Member], stripe: int, usable: Callable[[str], bool],
+                 avoid: Collection[str]) -> str | None:
+    while open_ and (open_[0].slots.get(stripe, 0) <= 0 or not usable(open_[0].name)):
         open_.popleft()
     for i, m in enumerate(open_):
-        if m.name in avoid or not usable(m.name):
+        if m.name in avoid or not usable(m.name) or m.slots.get(stripe, 0) <= 0:
             continue
-        m.slots -= 1
-        if m.slots == 0:
+        m.slots[stripe] -= 1
+        if m.slots[stripe] == 0:
             del open_[i]
         return m.name
     return None
