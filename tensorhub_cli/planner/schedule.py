@@ -14,6 +14,15 @@ the first interior member of each other stripe), the roots send the swarm one co
 and a chunk moves down a tree as soon as each parent has verified it: the
 child waits for its parent's notice (``Read.ready`` False), never for the hub.
 
+Why k = 1 (one pipelined chain per swarm) by default. Members join in arrival order,
+so in each stripe every interior member's k slots go to the next k arrivals, one of
+them the next interior member: the trees are chains of n/k interior members whatever
+k is, and the lag a level adds is one chunk's transfer at 1/k of a link, so the tail
+is about n chunk times either way. k > 1 only adds the first member's extra uploads.
+On the 8-node testbed (``th bench fanout --testbed``, N = 7): k = 1 took 1.46 × the
+bound, k = 2 1.99 ×. A log-depth forest needs members re-parented as later ones join
+(SplitStream's push-down); not done.
+
 Cycles cannot form: a tree parent joined before its child, and a member that asks
 again (a read failed, a parent died or fell behind) is given roots only, never a tree
 parent; roots hold the chunk now or got it from a root themselves (``feeders``).
@@ -28,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
-STRIPES = 2  # k: fan-out of each interior member and number of stripes
+STRIPES = 1  # k: stripes and fan-out (1: one chain per swarm; see the module docstring)
 
 
 def deal(want: int, k: int) -> list[int]:
