@@ -197,7 +197,7 @@ def run(readers: list[int], mib: float = 128, chunk_mib: float = 8, window: int 
              "broadcast_vs_ours": bcast[n] / ours[n], "broadcast_crc32": crcs[n]} for n in readers]
     most = max(readers)
     return {"workload": "fanout", "bytes": _nbytes(mib), "chunk_bytes": int(chunk_mib * 2**20),
-            "window": window, "engine": engine, "warmup": warmup, "rows": rows,
+            "window": window, "engine": engine, "warmup": warmup, "protocol": _protocol(), "rows": rows,
             "target": {"max_readers_vs_one": 2.0},
             "target_met": ours[most] / one <= 2.0}
 
@@ -239,4 +239,10 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
     return {"workload": "fanout", "testbed": {"nodes": nodes, "racks": min(RACKS, nodes),
                                               "rates_mbit": state["rates_mbit"], "check": state["check"]},
             "bytes": nbytes, "chunk_bytes": int(chunk_mib * 2**20), "window": window, "engine": engine,
-            "warmup": warmup, "rows": rows, "target": target, "target_met": all(met.values()), "targets": met}
+            "warmup": warmup, "protocol": _protocol(), "rows": rows, "target": target, "target_met": all(met.values()), "targets": met}
+
+
+def _protocol() -> str:
+    """How the readers fetched (the endpoints' default, or TH_FETCH): the simulator's
+    calibration models the file with the same reader (``fetch.protocol``)."""
+    return "window" if os.environ.get("TH_FETCH", "schedule") == "window" else "schedule"

@@ -104,10 +104,12 @@ def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[
 
 
 def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, planner: str, node_mbit: float,
-                   rack_mbit: float | None, eff: dict[str, float], host_bytes_per_s: float | None) -> World:
+                   rack_mbit: float | None, eff: dict[str, float], host_bytes_per_s: float | None,
+                   protocol: str | None = None) -> World:
     per, _ = testbed_layout(nodes, racks)
     tb = params.testbed
-    fetch = tb.fetch.model_copy(update={"window": window})
+    base = tb.schedule_fetch if protocol == "schedule" else tb.fetch
+    fetch = base.model_copy(update={"window": window, **({"protocol": protocol} if protocol else {})})
     return World(params, [nodes], planner=planner, fetch=fetch,
                  fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s), overhead_s=tb.request_overhead_s,
                  exact=True)
@@ -115,7 +117,8 @@ def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, pl
 
 def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk_bytes: int, window: int,
                planner: str, node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
-               nodes: int = 8, racks: int = 2, host_bytes_per_s: float | None = None) -> list[list[float]]:
+               nodes: int = 8, racks: int = 2, host_bytes_per_s: float | None = None,
+               protocol: str | None = None) -> list[list[float]]:
     """Per round, each reader's fetch (seconds from its start until it holds every
     chunk), readers named by testbed node ("n3"). The publisher (and the hub) on n1.
     A round's readers start together once the round before has ended, and keep what
@@ -123,7 +126,8 @@ def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk
     rollouts). With ``host_bytes_per_s`` every transfer also shares the one host's CPU
     (``host_rate``)."""
     world = _testbed_world(params, nodes=nodes, racks=racks, window=window, planner=planner, node_mbit=node_mbit,
-                           rack_mbit=rack_mbit, eff=eff or efficiencies(params, {}), host_bytes_per_s=host_bytes_per_s)
+                           rack_mbit=rack_mbit, eff=eff or efficiencies(params, {}), host_bytes_per_s=host_bytes_per_s,
+                           protocol=protocol)
     pub = world.endpoint("publisher", 0, "trainer")
     eps = [[world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in names] for names in rounds]
     sc.register(world, [pub, *(ep for names in eps for ep in names)])
@@ -139,14 +143,15 @@ def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk
 
 def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
                 node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
-                nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None) -> float:
+                nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None,
+                protocol: str | None = None) -> float:
     """Seconds from the fetches' start until the last reader holds every chunk: the
     fan-out bench's readers (``bench.fanout``'s order) all starting at once."""
     nodes = nodes or readers + 1
     _, order = testbed_layout(nodes, racks)
     return max(loop_times(params, rounds=[order[:readers]], nbytes=nbytes, chunk_bytes=chunk_bytes, window=window,
                           planner=planner, node_mbit=node_mbit, rack_mbit=rack_mbit, eff=eff, nodes=nodes,
-                          racks=racks, host_bytes_per_s=host_bytes_per_s)[0])
+                          racks=racks, host_bytes_per_s=host_bytes_per_s, protocol=protocol)[0])
 
 
 def broadcast_time(*, readers: int, nbytes: int, node_mbit: float, rack_mbit: float | None,
@@ -205,9 +210,10 @@ def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None) ->
             if arm == "broadcast":
                 pred = broadcast_time(readers=row["readers"], **shape)
             else:
+                # (files from before readers scheduled say nothing: the windowed loop)
                 pred = fanout_time(params, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
                                    window=res["window"], planner="ros" if arm == "ours" else "star",
-                                   host_bytes_per_s=host, **shape)
+                                   host_bytes_per_s=host, protocol=res.get("protocol", "window"), **shape)
             meas = row[key]
             out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
                         "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})
@@ -295,19 +301,21 @@ def summary(params: SimParams, files: list[tuple[str, dict]] | None = None) -> d
 
 def fit(params: SimParams, files: list[tuple[str, dict]], rtts=(0.0005, 0.001, 0.002, 0.004, 0.008),
         verify_s=(0.0005, 0.001, 0.002, 0.004, 0.008), verify_gbps=(1.0, 2.0, 4.0, 8.0, 16.0),
-        duplex=(None,)) -> tuple[dict, float]:
+        duplex=(None,), which: str = "fetch") -> tuple[dict, float]:
     """The grid point with the smallest largest error: (testbed settings, that error),
     with the hub's CPU not charged (so the fit is repeatable; at testbed size it is
     well under 1 % of a row). On the testbed ``verify_s`` stands for every fixed cost
     a reader pays per chunk (the engine's read setup, the loop, the report, the
     checksum's start), and ``plan_rtt_s`` includes queueing on the shaped links the
     requests share with the bulk data. ``duplex``: fallback duplex efficiencies to
-    try, for files without a link check."""
+    try, for files without a link check. ``which``: the testbed's ``fetch`` (files of
+    windowed readers) or ``schedule_fetch`` (files of scheduled ones): fit each on its
+    own files."""
     params = params.model_copy(update={"hub": params.hub.model_copy(update={"charge_cpu": False})})
     best: tuple[float, dict] = (float("inf"), {})
     for rtt, vs, vg, dx in itertools.product(rtts, verify_s, verify_gbps, duplex):
         tb = params.testbed.model_copy(update={
-            "duplex_efficiency": dx, "fetch": params.testbed.fetch.model_copy(update={
+            "duplex_efficiency": dx, which: getattr(params.testbed, which).model_copy(update={
                 "plan_rtt_s": rtt, "verify_s": vs, "verify_gbps": vg})})
         got, _ = rows(params.model_copy(update={"testbed": tb}), files)
         worst = max(r["error"] for r in got)
@@ -316,17 +324,18 @@ def fit(params: SimParams, files: list[tuple[str, dict]], rtts=(0.0005, 0.001, 0
     return best[1], best[0]
 
 
-if __name__ == "__main__":  # python -m tensorhub_cli.sim.calibrate [--fit] [FILE.json ...]
+if __name__ == "__main__":  # python -m tensorhub_cli.sim.calibrate [--fit [--schedule]] [FILE.json ...]
     import sys
 
     from .params import load
 
     args = sys.argv[1:]
     fitting = "--fit" in args
-    paths = [a for a in args if a != "--fit"]
+    which = "schedule_fetch" if "--schedule" in args else "fetch"
+    paths = [a for a in args if a not in ("--fit", "--schedule")]
     files = [(Path(a).name, json.loads(Path(a).read_text())) for a in paths] or None
     p = load()
     if fitting:
-        print(json.dumps(fit(p, files or measurements())))
+        print(json.dumps(fit(p, files or measurements(), which=which)))
     else:
         print(json.dumps(summary(p, files), indent=2))

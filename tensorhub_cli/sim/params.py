@@ -129,6 +129,14 @@ class Testbed(Strict):
     # Fitted (``calibrate.fit``, 2026-12-05, every stored file): the best point lies at the grid's
     # edge, so the reader loop costs more per chunk on the testbed than these terms name.
     fetch: Fetch = Fetch(protocol="window", plan_rtt_s=0.004, verify_s=0.008, verify_gbps=1.0, start_jitter_s=0.0)
+    # The same terms for files measured with scheduled readers (``"protocol": "schedule"``),
+    # fitted on those files alone (``calibrate.fit(..., which="schedule_fetch")``): a
+    # scheduled reader pays no plan per window, so its fixed cost per chunk is its own.
+    # Fitted 2026-12-05 on fanout-testbed-chunk4-schedule: the best point is the grid's
+    # cheapest corner and still over-predicts N = 7 by 21 %: the chain's tail is
+    # modelled dearer than the testbed shows (docs/design.md, "Schedules").
+    schedule_fetch: Fetch = Fetch(protocol="schedule", plan_rtt_s=0.0005, verify_s=0.0005, verify_gbps=16.0,
+                                  start_jitter_s=0.0)
     link_efficiency: float = Field(0.93, gt=0, le=1, description="one direction, when a file has no link check")
     duplex_efficiency: Optional[float] = Field(None, gt=0, le=1, description="both directions at once, as a "
                                                "share of twice the rate, when a file has no link check")
