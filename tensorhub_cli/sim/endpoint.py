@@ -18,7 +18,7 @@ A hub ``Error`` ends the fetch (``on_error``), as ``FetchError`` does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 # The reader's pacing is endpoint/fetch.py's own (a light import: no torch, no sockets).
 from ..endpoint.fetch import IDLE_MAX_S as IDLE_MAX
@@ -27,12 +27,29 @@ from ..endpoint.fetch import REFILL_MAX_S, REFILL_MIN_S
 from ..hub import protocol as p
 from .reader import ScheduledFetch
 
-if TYPE_CHECKING:
-    from .world import World
+
+
+class Wires(Protocol):
+    """What an endpoint needs of its world (``sim.world.World`` is one): the clock and
+    its events, the hub, the network, and the other endpoints. Named here so this
+    module does not import the world that imports it."""
+
+    loop: Any
+    hub: Any
+    endpoints: dict
+    publishers: set
+    fetch_params: Any
+    chunk_sizes: dict
+    running: bool
+
+    def beating(self, ep: "SimEndpoint") -> None: ...
+    def is_publisher(self, name: str) -> bool: ...
+    def transfer(self, src: "SimEndpoint", fetch: Any, chunk: int, nbytes: int) -> int: ...
+    def stop_transfer(self, fid: int) -> None: ...
 
 
 class SimEndpoint:
-    def __init__(self, world: "World", name: str, gpu, role: str, reliable: bool = True):
+    def __init__(self, world: Wires, name: str, gpu, role: str, reliable: bool = True):
         self.world, self.name, self.gpu = world, name, gpu
         self.info = p.EndpointInfo(name=name, node=gpu.node, rack=gpu.rack, dc=gpu.dc, role=role,
                                    reliable=reliable, tier="device", engine="sim", pid=gpu.index + 1,

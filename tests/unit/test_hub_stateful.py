@@ -443,18 +443,7 @@ class HubMachine(RuleBasedStateMachine):
     def stop_waiting(self, name, data):
         """A wait ends without the chunk (the source fell behind, died or drains): the
         read is reported failed, and the hub schedules the chunk again (roots only)."""
-        proc = self.procs[name]
-        keys = [k for k, w in proc.waiting.items() if w]
-        if not proc.registered or not keys:
-            return
-        key = data.draw(st.sampled_from(sorted(keys)))
-        chunk = data.draw(st.sampled_from(sorted(proc.waiting[key])))
-        source = proc.waiting[key].pop(chunk)
-        got = self.call(self.hub.progress, p.Progress(name=name, model=key[0], version=key[1], chunks=[],
-                                                      failed=[p.Read(chunk=chunk, source=source)],
-                                                      incarnation=proc.incarnation))
-        if isinstance(got, HubFault) and got.code == "not_found":
-            proc.waiting.pop(key, None)
+        self._fail_one(self.procs[name], self.procs[name].waiting, data)
 
     @rule(name=st.sampled_from(READERS))
     def cancel(self, name):
@@ -481,18 +470,22 @@ class HubMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(READERS), data=st.data())
     def zombie_ends(self, name, data):
         """The engine confirms a given-up transfer stopped: now it is reported failed."""
-        proc = self.procs[name]
-        live = [k for k, z in proc.zombies.items() if z]
+        self._fail_one(self.procs[name], self.procs[name].zombies, data)
+
+    def _fail_one(self, proc: Proc, table: dict, data) -> None:
+        """Take one read out of ``table`` (zombies, or waits) and report it failed."""
+        live = [k for k, reads in table.items() if reads]
         if not proc.registered or not live:
             return
         key = data.draw(st.sampled_from(sorted(live)))
-        chunk = data.draw(st.sampled_from(sorted(proc.zombies[key])))
-        source = proc.zombies[key].pop(chunk)
-        got = self.call(self.hub.progress, p.Progress(name=name, model=key[0], version=key[1], chunks=[],
+        chunk = data.draw(st.sampled_from(sorted(table[key])))
+        source = table[key].pop(chunk)
+        got = self.call(self.hub.progress, p.Progress(name=proc.name, model=key[0], version=key[1], chunks=[],
                                                       failed=[p.Read(chunk=chunk, source=source)],
                                                       incarnation=proc.incarnation))
         if isinstance(got, HubFault) and got.code == "not_found":
             proc.reading.pop(key, None)
+            proc.waiting.pop(key, None)
 
     @rule(name=st.sampled_from(sorted(PROCS)))
     def slow_beat(self, name):
