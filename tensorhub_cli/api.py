@@ -36,7 +36,8 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
             connect_timeout: Optional[float] = None, on_command: Optional[Callable] = None,
             chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
             peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None,
-            reg_cache_bytes: Optional[int] = None, metrics_port: Optional[int] = None):
+            reg_cache_bytes: Optional[int] = None, metrics_port: Optional[int] = None,
+            schedule: Optional[bool] = None):
     """Join a TensorHub cluster as endpoint ``name``; returns a registered ``Endpoint``
     (``publish``, ``fetch``, ``unpublish``, ``versions``, ``close``; a context manager).
 
@@ -84,6 +85,9 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
       reg_cache_bytes: engine registrations kept for reuse once no version uses them
         (256 GiB; 0 turns the cache off): memory published or fetched into again, as
         an in-place trainer's parameters, is registered once.
+      schedule: fetch by a schedule the hub makes once per fetch (True, the default
+        unless ``$TH_FETCH`` is "window"), or by a window of reads planned at a time
+        (False: the older loop).
 
     Metrics:
       metrics_port: serve this process's fetch histograms (per-stage seconds, bytes:
@@ -114,7 +118,7 @@ def connect(hub: Optional[str] = None, token: Optional[str] = None, *, cluster: 
                  plan_timeout_s=plan_timeout_s, drain_timeout_s=drain_timeout_s, call_timeout_s=call_timeout_s,
                  connect_timeout=connect_timeout, on_command=on_command, chunk_bytes=chunk_bytes,
                  small_bytes=small_bytes, peer_idle_s=peer_idle_s, conn_idle_s=conn_idle_s,
-                 reg_cache_bytes=reg_cache_bytes)
+                 reg_cache_bytes=reg_cache_bytes, schedule=schedule)
     options = {k: v for k, v in given.items() if v is not None}
     if hub is None:
         from .launch.lookup import endpoint_options

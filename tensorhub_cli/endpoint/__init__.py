@@ -92,7 +92,7 @@ def connect(hub: str, token: Optional[str] = None, *, name: str, node: Optional[
             connect_timeout: Optional[float] = None, on_command: Optional[CommandHandler] = None,
             chunk_bytes: Optional[int] = None, small_bytes: Optional[int] = None,
             peer_idle_s: Optional[float] = None, conn_idle_s: Optional[float] = None,
-            reg_cache_bytes: Optional[int] = None) -> Endpoint:
+            reg_cache_bytes: Optional[int] = None, schedule: Optional[bool] = None) -> Endpoint:
     """Join the cluster whose hub is at ``hub`` ("tcp://HOST:PORT") as endpoint ``name``.
 
     ``host`` is the address we bind and send from (default 127.0.0.1); ``engine``
@@ -125,6 +125,9 @@ def connect(hub: str, token: Optional[str] = None, *, name: str, node: Optional[
                for k, v in given.items() if v is not None}
     if reg_cache_bytes is not None:  # (0 turns the cache off; the Endpoint checks it)
         options["reg_cache_bytes"] = reg_cache_bytes
+    if schedule is not None:
+        _one_of(schedule, "schedule", (True, False))
+        options["schedule"] = schedule
     info = p.EndpointInfo(name=name, node=node or "local", dc=dc, rack=rack, role=role, kind=kind,
                           reliable=reliable, tier=tier, group=group, pid=os.getpid())
     return Endpoint(hub, token, info, host=host or "127.0.0.1", engine=engine or "nixl", on_command=on_command,

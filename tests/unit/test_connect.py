@@ -131,3 +131,14 @@ def test_endpoint_metrics_of_a_cluster_endpoint_bind_its_nodes_address(running, 
 def test_endpoint_metrics_are_opt_in(metrics_off):
     tensorhub_cli.connect(hub="tcp://127.0.0.1:7", token="tok" * 11, name="r", host="127.0.0.2")
     assert metrics_off._served == []
+
+
+def test_connect_takes_the_fetch_protocol_and_refuses_a_bad_one(monkeypatch):
+    from tensorhub_cli import BadArgument, endpoint as endpoint_lib
+
+    made = {}
+    monkeypatch.setattr(endpoint_lib, "Endpoint", lambda hub, token, info, **kw: made.update(kw) or "ep")
+    assert tensorhub_cli.connect(hub="tcp://127.0.0.1:1", token="t", name="a", schedule=False) == "ep"
+    assert made["schedule"] is False
+    with pytest.raises(BadArgument, match="schedule"):
+        tensorhub_cli.connect(hub="tcp://127.0.0.1:1", token="t", name="a", schedule="yes")
