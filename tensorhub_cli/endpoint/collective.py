@@ -51,6 +51,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient
 from . import checks, fetching, streams, waiting
 from .fetch import Fetch
+from .scheduled import ScheduledFetch
 from .replica import Held
 
 GATHER_BYTES = 256 << 20  # per batch, all members together: bounds the gather buffers
@@ -90,7 +91,8 @@ def batches(sizes: list[int], owner: list[int], members: int, limit: int) -> lis
 
 
 class StripeFetch(Fetch):
-    """The fetch loop over a subset of the version's chunks: every ``Plan`` it sends
+    """(The windowed loop's; a scheduled member passes ``want`` to ``ScheduledFetch``.)
+    The fetch loop over a subset of the version's chunks: every ``Plan`` it sends
     carries ``want`` (a little-endian bitmask), so the hub plans, pins and counts only
     those, and answers ``complete`` once we hold them."""
 
@@ -240,7 +242,9 @@ def _read(me: Member, resolved: p.Resolved, into, deadline: float, window: int,
     owner = owners(len(placed.views), me.comm.size, _stripes(me))
     mine = [c for c, o in enumerate(owner) if o == me.comm.rank]
     options = _timeouts(ep, read_timeout, plan_timeout)
-    if _stripes(me):
+    if getattr(ep, "schedule", True):  # the reader core, on our stripe or the whole version
+        job = ScheduledFetch(ep, me.held, deadline, window, want=mine if _stripes(me) else None, **options)
+    elif _stripes(me):
         job = StripeFetch(ep, me.held, deadline, window, want=mine, **options)
     else:
         job = Fetch(ep, me.held, deadline, window, **options)
@@ -350,8 +354,7 @@ def _settle_checks(me: Member, checking: dict, bad: list[int], *, block: bool) -
             continue
         if me.held.placed.finish(c):  # async copies: the caller's stream waits for the last one
             me.held.written = streams.scattered(me.held.placed.device)
-        with me.held.lock:
-            me.held.held.add(c)
+        me.held.mark_held([c])  # (readers waiting on us for it hear so)
         me.have.add(c)
         me.stats["gathered"] += me.held.placed.views[c].nbytes
         good.append(c)

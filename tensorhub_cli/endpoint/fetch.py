@@ -1,4 +1,8 @@
-"""The reader's transfer loop: plan, read from many holders at once, verify, report.
+"""The windowed reader loop: plan a window, read from many holders at once, verify,
+report. Fetches run ``endpoint/scheduled.py`` (one schedule per fetch, the reader core
+of ``endpoint/reader.py``) unless the endpoint says otherwise (``TH_FETCH=window``,
+``connect(schedule=False)``); ``ScheduledFetch`` reuses this class's records and
+clean-up (``stop``, ``_pairs``, ``_peer``, ``_finish``).
 
 Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
 

@@ -47,9 +47,17 @@ WAIT_TIMEOUT_S = 120.0  # a chunk waiting this long on its source is re-planned 
 
 
 class ScheduledFetch(Fetch):
+    def __init__(self, *args, want: list[int] | None = None, **kwargs):
+        """``want``: only these chunks (a collective member's stripe), else every chunk
+        our layout needs."""
+        super().__init__(*args, **kwargs)
+        self.only = None if want is None else sum(1 << c for c in want)
+
     def _loop(self) -> None:
         h = self.held
         wanted = (1 << len(h.placed.views)) - 1 if h.placed.wanted is None else sum(1 << c for c in h.placed.wanted)
+        if self.only is not None:
+            wanted &= self.only
         wanted &= ~sum(1 << c for c in (*h.held, *h.passed))
         n = wanted.bit_count()
         self.core = core.Reader(wanted, window=self.window, report_every=max(8, n // 4),
@@ -103,7 +111,7 @@ class ScheduledFetch(Fetch):
         elif isinstance(a, core.Ask):
             op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
                         chunks=list(a.done), failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
-                        incarnation=self.ep.incarnation, want=h.want(), partial=list(a.partial),
+                        incarnation=self.ep.incarnation, partial=list(a.partial), want=self._want(),
                         layout=h.placed.layout, schedule=True)
             self.asked = op
             self._hub.submit(self._plan, op)
@@ -112,6 +120,11 @@ class ScheduledFetch(Fetch):
         elif isinstance(a, core.Failed):
             raise FetchError(a.message)
         return False
+
+    def _want(self) -> bytes:
+        if self.only is None:
+            return self.held.want()
+        return self.only.to_bytes(max(1, (self.only.bit_length() + 7) // 8), "little")
 
     def _begin(self, chunk: int, source_name: str, partial: bool) -> None:
         source = self.sources.get(source_name)
