@@ -10,11 +10,22 @@ asked, the curves (``sim.curves``). It returns one JSON-able dict whose required
 are ``gpus``, ``workloads.standalone.{ours_stall_s, baseline_stall_s, stall_ratio}``,
 ``workloads.elastic.{ours_update_s, baseline_update_s, update_ratio}``,
 ``workloads.cross_dc.{ours_stall_s, baseline_stall_s, stall_ratio}``,
+``workloads.cross_dc.deltas.{ratio, wan_bytes_ratio, remote_stall_ratio,
+stall_ratio_with_deltas}``,
 ``calibration.{max_error, rows}`` and ``wall_s``; ``cpu_s`` is this process's CPU time
 (the whole run is one thread: on a shared machine, the one-core figure), and ``wall``
 says where the wall time went (per part, and how much of it the real hub's own CPU was). Simulated seconds are
 not wall seconds: nothing here sleeps. ``profile``: a cProfile of the whole run is
 written there.
+
+Deltas (``params.deltas``; docs/design.md, "Deltas"): cross-DC also runs its two-version
+variant (``workloads.cross_dc_versions``, the v2 round measured) four times with one
+seed: ours and the baseline, each with deltas off and on (whatever ``deltas.enabled``
+says). ``wan_bytes_ratio`` and ``remote_stall_ratio`` are ours with deltas ÷ ours
+without; ``stall_ratio_with_deltas`` is the baseline's remote stall ÷ ours, both with
+deltas (the baseline's remote rollouts each pull a delta from the trainer, as slime and
+miles send theirs); ``stall_ratio_full_baseline`` the same against a baseline that pulls
+full chunks, ``stall_ratio_without_deltas`` both without.
 """
 
 from __future__ import annotations
@@ -74,7 +85,36 @@ def _cross_dc(p: SimParams, t: int, r: int, wall: dict) -> dict:
     keys = (*_COMMON, "tp", "remote_version_s", "remote_stall_s", "local_stall_s", "local_gpus", "remote_gpus", "wan_copies")
     return {"ours_stall_s": _r(ours["remote_stall_s"]), "baseline_stall_s": _r(base["remote_stall_s"]),
             "stall_ratio": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),
-            "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
+            "ours": _detail(ours, keys), "baseline": _detail(base, keys), "deltas": _cross_dc_deltas(p, t, r, wall)}
+
+
+def _with_deltas(p: SimParams, on: bool) -> SimParams:
+    return p.model_copy(update={"deltas": p.deltas.model_copy(update={"enabled": on})})
+
+
+def _cross_dc_deltas(p: SimParams, t: int, r: int, wall: dict) -> dict:
+    runs = {}
+    for arm, planner in (("ours", "ros"), ("baseline", "star")):
+        for on in (False, True):
+            name = f"{arm}_deltas" if on else arm
+            w0 = time.perf_counter()
+            runs[name] = W.cross_dc_versions(_with_deltas(p, on), planner, t, r)
+            wall[f"cross_dc.deltas.{name}"] = (time.perf_counter() - w0, runs[name])
+    ours, ours_d, base, base_d = runs["ours"], runs["ours_deltas"], runs["baseline"], runs["baseline_deltas"]
+    d, chunk = p.deltas, p.model.chunk_bytes
+    keys = ("version_s", "remote_version_s", "remote_stall_s", "local_stall_s", "wan_bytes", "wan_copies",
+            "wan_readers", "delta_chunks", "bytes_by_level")
+    return {"ratio": d.ratio, "rebuild_gbps": d.rebuild_gbps, "levels": list(d.levels),
+            "wan_bytes_ratio": _r(ours_d["wan_bytes"] / ours["wan_bytes"]),
+            "remote_stall_ratio": _r(ours_d["remote_stall_s"] / ours["remote_stall_s"]),
+            "stall_ratio_with_deltas": _r(base_d["remote_stall_s"] / ours_d["remote_stall_s"], 3),
+            "stall_ratio_full_baseline": _r(base["remote_stall_s"] / ours_d["remote_stall_s"], 3),
+            "stall_ratio_without_deltas": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),
+            # why a delta may cost more than it saves: one chunk's rebuild on one verifier
+            # against the same chunk alone on the WAN link
+            "rebuild_s_per_chunk": _r(chunk * 8 / (d.rebuild_gbps * 1e9)),
+            "wan_s_per_chunk": _r(chunk * 8 / (p.cluster.wan_gbps * 1e9 * p.cluster.link_efficiency)),
+            **{name: _detail(arm, keys) for name, arm in runs.items()}}
 
 
 def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False,

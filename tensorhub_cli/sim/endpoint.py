@@ -45,6 +45,7 @@ class Wires(Protocol):
     def beating(self, ep: "SimEndpoint") -> None: ...
     def is_publisher(self, name: str) -> bool: ...
     def transfer(self, src: "SimEndpoint", fetch: Any, chunk: int, nbytes: int) -> int: ...
+    def holds(self, ep: "SimEndpoint", version_key: tuple, chunk: int) -> None: ...
     def stop_transfer(self, fid: int) -> None: ...
 
 
@@ -57,6 +58,7 @@ class SimEndpoint:
         self.alive = True
         self.registered_at: float | None = None
         self.fetches: list[Fetch] = []
+        self.published: set[tuple[str, int]] = set()  # (model, version): what a delta may be cut against
 
     def register(self, then: Callable[[], None] | None = None) -> None:
         def done(body):
@@ -77,6 +79,7 @@ class SimEndpoint:
         def done(body):
             if isinstance(body, p.Error):
                 raise RuntimeError(f"{self.name}: publish refused: {body.code}: {body.message}")
+            self.published.add((model, version))
             then()
 
         self.world.hub.call(p.Publish(name=self.name, model=model, version=version, manifest=manifest,
@@ -233,7 +236,8 @@ class Fetch:
             self.inflight[c] = (read.source, fid)
 
     # --- what the network and the verifiers report ---------------------------------------
-    def landed(self, chunk: int, fid: int) -> None:
+    def landed(self, chunk: int, fid: int, rebuild_s: float = 0.0) -> None:
+        """The flow ended; a delta (``rebuild_s`` > 0) is rebuilt on the verifier first."""
         got = self.inflight.get(chunk)
         if got is None or got[1] != fid or not self.active:
             return
@@ -243,7 +247,8 @@ class Fetch:
         nbytes = self.sizes[chunk]
         now = self.ep.world.loop.now
         i = min(range(len(self._verifiers)), key=self._verifiers.__getitem__)
-        t = max(now, self._verifiers[i]) + self.cfg.verify_s + nbytes * 8 / (self.cfg.verify_gbps * 1e9)
+        t = (max(now, self._verifiers[i]) + rebuild_s + self.cfg.verify_s
+             + nbytes * 8 / (self.cfg.verify_gbps * 1e9))
         self._verifiers[i] = t
         self.ep.world.loop.at(t, self._verified, chunk, source)
 
@@ -251,6 +256,7 @@ class Fetch:
         if not self.active or self.verifying.pop(chunk, None) is None:
             return
         self.held.add(chunk)
+        self.ep.world.holds(self.ep, (self.model, self.version), chunk)  # a base for v+1's deltas
         self.bytes += self.sizes[chunk]
         if self.ep.world.is_publisher(source):
             self.from_publishers += self.sizes[chunk]

@@ -111,6 +111,25 @@ class Workloads(Strict):
     cross_dc: CrossDc = CrossDc()
 
 
+class Deltas(Strict):
+    """A chunk of v+1 sent as what changed against v (tensorhub_cli/delta, docs/design.md,
+    "Deltas"): a reader that holds chunk c of v and reads c of v+1 at one of ``levels``
+    from a holder of both moves ``ratio`` x the chunk's bytes, then rebuilds it on one of
+    its verifiers (the full chunk's bytes at ``rebuild_gbps``) before it counts. The hub
+    still plans full chunks: only the bytes on the wire and the reader's time change.
+    Defaults come from the trace (docs/measurements/delta-*-llama-2026-12-05.json)."""
+
+    enabled: bool = Field(False, description="the real system serves no deltas yet: off unless asked")
+    # lr 1e-5, sparse + zstd 1, mean over the 40 versions: the dearer of the two traced
+    # learning rates (1e-6 gave 0.014), so the model does not flatter deltas.
+    ratio: float = Field(0.058, gt=0, le=1, description="delta bytes / chunk bytes")
+    # The slowest rebuild the codec measured (sparse at lr 1e-5: 5,100-6,200 Mbit/s on one
+    # core), rounded down: one CPU core per verifier, no GPU decode assumed.
+    rebuild_gbps: float = Field(5.0, gt=0, description="rebuilt chunk bits per second, one verifier")
+    levels: list[Literal["node", "rack", "dc", "remote"]] = Field(
+        ["remote"], description="where deltas are sent: across DCs only, unless told")
+
+
 class Curves(Strict):
     rollout_gpus: list[int] = Field([8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096], min_length=1)
     trainer_gpus: int = Field(256, ge=1, description="held fixed along the curve")
@@ -153,6 +172,7 @@ class SimParams(Strict):
     hub: HubParams = HubParams()
     engine: Engine = Engine()
     workloads: Workloads = Workloads()
+    deltas: Deltas = Deltas()
     curves: Curves = Curves()
     testbed: Testbed = Testbed()
 

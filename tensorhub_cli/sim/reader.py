@@ -5,7 +5,8 @@ Protocol: ``Resolve``, then the core's actions carried out in simulated time: ``
 is a ``Plan`` with ``schedule`` to the real hub (its answer comes back as ``Answer``);
 ``Start`` is one flow of the chunk's bytes from the source's GPU to ours (``Landed``
 when it ends; a dead source's read fails after ``read_error_s``); ``Verify`` queues the
-checksum on one of ``verifiers`` (``verify_s`` + bytes at ``verify_gbps``) and answers
+checksum on one of ``verifiers`` (``verify_s`` + bytes at ``verify_gbps``, after the
+delta's rebuild time when the world sent the chunk as a delta) and answers
 ``Checked``; ``Await`` asks the source for a notice: answered after half a round trip
 once the source holds one of the chunks (a publisher holds its shard), or
 ``AwaitFailed`` after ``read_error_s`` when the source is dead. Nothing polls: the core
@@ -34,6 +35,7 @@ class ScheduledFetch:
         self.sizes: list[int] = []
         self.core: core.Reader | None = None
         self.flows: dict[int, int] = {}  # chunk -> flow id
+        self._rebuild: dict[int, float] = {}  # chunk -> seconds to rebuild it from a delta
         self._verifiers = [0.0] * self.cfg.verifiers
         self._wake_at = float("inf")
 
@@ -107,7 +109,8 @@ class ScheduledFetch:
         elif isinstance(a, core.Verify):
             nbytes = self.sizes[a.chunk]
             i = min(range(len(self._verifiers)), key=self._verifiers.__getitem__)
-            t = max(now, self._verifiers[i]) + self.cfg.verify_s + nbytes * 8 / (self.cfg.verify_gbps * 1e9)
+            t = (max(now, self._verifiers[i]) + self._rebuild.pop(a.chunk, 0.0) + self.cfg.verify_s
+                 + nbytes * 8 / (self.cfg.verify_gbps * 1e9))
             self._verifiers[i] = t
             w.loop.at(t, self._verified, a.chunk, a.source)
         elif isinstance(a, core.Await):
@@ -130,10 +133,12 @@ class ScheduledFetch:
         self.step([core.Answer([(r.chunk, r.source, r.ready, r.partial) for r in body.reads], body.complete)])
 
     # --- what the network, the verifiers and the sources report -----------------------------
-    def landed(self, chunk: int, fid: int) -> None:
+    def landed(self, chunk: int, fid: int, rebuild_s: float = 0.0) -> None:
         if self.flows.get(chunk) != fid:
             return
         del self.flows[chunk]
+        if rebuild_s:
+            self._rebuild[chunk] = rebuild_s
         self.step([core.Landed(chunk, True)])
 
     def read_failed(self, chunk: int, source: str, fid: int) -> None:

@@ -3,7 +3,8 @@
 Protocol: ``Topology(net, dcs=[gpus in dc1, gpus in dc2, ...], fabric)`` lays GPUs out
 in order, ``gpus_per_node`` to a node and ``nodes_per_rack`` nodes to a rack, racks
 never spanning DCs, and adds their links to ``net``; ``path(a, b)`` is the links a
-transfer from GPU ``a`` to GPU ``b`` crosses. Every GPU has its own NIC (one link out,
+transfer from GPU ``a`` to GPU ``b`` crosses, ``level(a, b)`` the hub's name for that
+distance (node, rack, dc, remote). Every GPU has its own NIC (one link out,
 one in) and an NVLink port (out, in) for peers on its node; where sending and receiving
 at once costs (``duplex_efficiency``), also a link both directions of the NIC share. A
 rack has an uplink each way, a DC one to the WAN each way. Rates are Gbit/s in, bytes/s
@@ -105,6 +106,15 @@ class Topology:
                                          net.link(nv), net.link(nv), rack_no, d))
                 placed += in_rack
                 rack_no += 1
+
+    @staticmethod
+    def level(a: Gpu, b: Gpu) -> str:
+        """The hub's name for the cheapest level that holds both: node < rack < dc < remote."""
+        if a.node == b.node:
+            return "node"
+        if a.rack_no == b.rack_no:
+            return "rack"
+        return "dc" if a.dc_no == b.dc_no else "remote"
 
     def path(self, a: Gpu, b: Gpu) -> tuple[int, ...]:
         if a.node == b.node:

@@ -21,6 +21,11 @@ where too few rollout GPUs make the instances a workload needs, tp is smaller
 - ``cross_dc``: the trainer and part of the rollouts in dc1, ``remote_fraction`` of
   the rollouts in dc2 behind the WAN; all fetch at once. Stall: GPU-seconds of the
   remote rollouts. Baseline: every remote rollout pulls across the WAN (star).
+- ``cross_dc_versions``: cross_dc over two versions: v1 published and fetched by every
+  rollout, then v2; only the v2 round is measured (its stalls, ``version_s``, hub bytes
+  by level, ``wan_bytes``: what the WAN carried, ``wan_readers``: how many readers it
+  carried it to). With ``deltas.enabled`` its
+  crossing reads move deltas against v1 (``World``, "Deltas"); the hub plans as ever.
 
 Each returns plain numbers: the time until every reader holds the version
 (``version_s``), stalls, the hub's CPU in the real state machine during the version
@@ -87,7 +92,7 @@ def _levels(world: World) -> dict[str, int]:
     return {lv: int(c.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS}
 
 
-def _fetch_round(cast: Cast, eps, t0: float, jitter: bool) -> tuple[dict, dict[int, float], float]:
+def _fetch_round(cast: Cast, eps, t0: float, jitter: bool, version: int = 1) -> tuple[dict, dict[int, float], float]:
     """Fetch the version on ``eps`` (instances start within the jitter when ``jitter``);
     → (fetches, instance → start, hub CPU seconds spent meanwhile)."""
     world = cast.world
@@ -98,7 +103,7 @@ def _fetch_round(cast: Cast, eps, t0: float, jitter: bool) -> tuple[dict, dict[i
         if i not in starts:
             starts[i] = t0 + world.rng.uniform(0.0, spread)
     cpu = world.hub.cpu_s
-    fetches = sc.fetch(world, [(ep, cast.want(ep), starts[cast.instance(ep)]) for ep in eps], MODEL, 1)
+    fetches = sc.fetch(world, [(ep, cast.want(ep), starts[cast.instance(ep)]) for ep in eps], MODEL, version)
     return fetches, starts, world.hub.cpu_s - cpu
 
 
@@ -179,26 +184,55 @@ def elastic(params: SimParams, planner: str, trainer: int, rollouts: int) -> dic
             "joiner_gpus": len(joiners), "update_s": out["version_s"]}
 
 
-def cross_dc(params: SimParams, planner: str, trainer: int, rollouts: int) -> dict:
+def _two_dcs(params: SimParams, planner: str, trainer: int, rollouts: int):
+    """cross_dc's world: the trainer and the first rollout instances in dc1, ``remote_fraction``
+    of them in dc2; every endpoint registered. → (world, cast, local GPUs, remote GPUs)."""
     tp = tp_of(params, rollouts, 2)
     instances = math.ceil(rollouts / tp)
     remote_inst = min(instances, max(1, round(instances * params.workloads.cross_dc.remote_fraction)))
     local = min(rollouts, (instances - remote_inst) * tp)
-    remote = rollouts - local
-    world = _world(params, [trainer + local, remote], planner)
+    world = _world(params, [trainer + local, rollouts - local], planner)
     cast = Cast(world, trainer, [(trainer + i, i) for i in range(rollouts)], tp)
     sc.register(world, cast.trainer + cast.rollouts)
+    return world, cast, local, rollouts - local
+
+
+def _cross_dc_round(cast: Cast, planner: str, version: int, local: int, remote: int) -> dict:
+    """Publish ``version`` and fetch it on every rollout; → the round's figures (hub bytes
+    by level and ``wan_bytes`` counted over this round only)."""
+    world = cast.world
+    levels, wan = _levels(world), world.wire_bytes["remote"]
+    world.wan_readers.clear()
     began = world.loop.now
-    t0 = sc.publish(world, cast.trainer, MODEL, 1, cast.shards)
-    fetches, starts, cpu = _fetch_round(cast, cast.rollouts, t0, jitter=True)
-    world.close()
+    t0 = sc.publish(world, cast.trainer, MODEL, version, cast.shards)
+    fetches, starts, cpu = _fetch_round(cast, cast.rollouts, t0, jitter=True, version=version)
     out = _summary(world, fetches, t0, cpu)
+    out["bytes_by_level"] = {lv: n - levels[lv] for lv, n in out["bytes_by_level"].items()}
     far = {n: f for n, f in fetches.items() if f.ep.gpu.dc != "dc1"}
     near = {n: f for n, f in fetches.items() if f.ep.gpu.dc == "dc1"}
     remote_stall, _ = _instance_stall(cast, far, starts)
     local_stall, _ = _instance_stall(cast, near, starts) if near else (0.0, [])
-    version_bytes = params.model.nbytes
-    return {**out, "planner": planner, "trainer_gpus": trainer, "tp": tp, "local_gpus": local, "remote_gpus": remote,
-            "publish_s": t0 - began, "remote_stall_s": remote_stall, "local_stall_s": local_stall,
-            "remote_version_s": max(f.ended for f in far.values()) - t0,
-            "wan_copies": round(out["bytes_by_level"]["remote"] / version_bytes, 3)}
+    version_bytes = world.params.model.nbytes
+    return {**out, "planner": planner, "trainer_gpus": len(cast.trainer), "tp": cast.tp, "local_gpus": local,
+            "remote_gpus": remote, "publish_s": t0 - began, "remote_stall_s": remote_stall,
+            "local_stall_s": local_stall, "remote_version_s": max(f.ended for f in far.values()) - t0,
+            "wan_copies": round(out["bytes_by_level"]["remote"] / version_bytes, 3),
+            "wan_bytes": world.wire_bytes["remote"] - wan, "wan_readers": len(world.wan_readers)}
+
+
+def cross_dc(params: SimParams, planner: str, trainer: int, rollouts: int) -> dict:
+    world, cast, local, remote = _two_dcs(params, planner, trainer, rollouts)
+    out = _cross_dc_round(cast, planner, 1, local, remote)
+    world.close()
+    return out
+
+
+def cross_dc_versions(params: SimParams, planner: str, trainer: int, rollouts: int) -> dict:
+    """v1 everywhere first (its round is not measured), then v2's round: its figures, with
+    ``delta_chunks`` (reads sent as deltas) and ``deltas`` (whether they were on)."""
+    world, cast, local, remote = _two_dcs(params, planner, trainer, rollouts)
+    _cross_dc_round(cast, planner, 1, local, remote)
+    sent = world.delta_chunks
+    out = _cross_dc_round(cast, planner, 2, local, remote)
+    world.close()
+    return {**out, "deltas": params.deltas.enabled, "delta_chunks": world.delta_chunks - sent}

@@ -7,17 +7,29 @@ datacenter) and a fresh ``hub.machine.Hub`` configured as the service would be
 and ``overhead_s`` replace the cluster's (the testbed's, for calibration), ``exact``
 turns the network's rate quantum off. ``endpoint(name, gpu,
 role)`` places an endpoint on a GPU (``register`` it to join); ``transfer`` moves one
-chunk as a flow along the path between two GPUs; ``leave(name)`` deregisters and
+chunk as a flow along the path between two GPUs (a delta instead, with ``deltas.enabled``:
+below); ``leave(name)`` deregisters and
 stops an endpoint; ``kill(name)`` is a node failure:
 the endpoint stops (no heartbeats, no plans), its flows stop, a reader that was
 reading from it sees that read fail after ``read_error_s``, and the hub expires it
 after ``expiry_s`` through its sweep (contract 6), exactly as the service would.
 ``run(until_done)`` runs events until ``until_done()`` holds (or ``engine.limit_s``
 simulated seconds pass: ``SimStuck``); heartbeats and sweeps stop with it.
+
+Deltas (``params.deltas``; the real system serves none yet, this is what it will do):
+a read of chunk c of version v+1 at one of ``deltas.levels`` (the path's level, as
+``Topology.level`` names it), by a reader that holds c of v from a source that holds c
+of v (readers: verified, ``holds``; a publisher: every version it published, one shard
+shape for all), moves ``ratio`` x the chunk's bytes, and the reader hears of it with a
+rebuild time (the chunk's bytes at ``rebuild_gbps``) its verifier spends before the
+chunk counts. The hub is not told: it planned a full chunk and counts one.
+``wire_bytes`` (per level) are the bytes flows actually moved, landed or stopped;
+``delta_chunks`` how many reads were deltas; ``wan_readers`` who received across the WAN.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 from ..hub import protocol as p
@@ -57,6 +69,10 @@ class World:
         self.running = True
         self._flows: dict[int, tuple[SimEndpoint, Fetch, int]] = {}  # fid -> (source, reader's fetch, chunk)
         self._by_endpoint: dict[str, set[int]] = {}
+        self._wire: dict[int, tuple[str, int, float]] = {}  # fid -> (level, bytes on the wire, rebuild s)
+        self.wire_bytes: dict[str, float] = {lv: 0.0 for lv in ("node", "rack", "dc", "remote")}
+        self.delta_chunks = 0
+        self.wan_readers: set[str] = set()  # readers a flow reached across the WAN (a workload may clear it)
         self._beating: list[SimEndpoint] = []
         self.chunk_sizes: dict[tuple, list[int]] = {}  # (model, version) -> bytes per chunk, from a Resolve
         # Scheduled readers (sim/reader.py): what each endpoint holds, and who waits for its notice.
@@ -146,21 +162,45 @@ class World:
 
     # --- bytes --------------------------------------------------------------------------
     def transfer(self, src: SimEndpoint, fetch: Fetch, chunk: int, nbytes: int) -> int:
+        level = self.topology.level(src.gpu, fetch.ep.gpu)
+        rebuild_s = 0.0
+        if self._delta(src, fetch, chunk, level):
+            d = self.params.deltas
+            rebuild_s = nbytes * 8 / (d.rebuild_gbps * 1e9)
+            nbytes = max(1, math.ceil(nbytes * d.ratio))
+            self.delta_chunks += 1
         path = self.topology.path(src.gpu, fetch.ep.gpu)
         fid = self.net.start(path, nbytes, lambda: self._landed(fid))
         self._flows[fid] = (src, fetch, chunk)
+        self._wire[fid] = (level, nbytes, rebuild_s)
         self._by_endpoint.setdefault(src.name, set()).add(fid)
         self._by_endpoint.setdefault(fetch.ep.name, set()).add(fid)
         return fid
 
+    def _delta(self, src: SimEndpoint, fetch, chunk: int, level: str) -> bool:
+        d = self.params.deltas
+        if not d.enabled or level not in d.levels or fetch.version < 2:
+            return False
+        old = (fetch.model, fetch.version - 1)
+        return self.has(fetch.ep, old, chunk) and self.has(src, old, chunk)
+
+    def has(self, ep: SimEndpoint, version_key: tuple, chunk: int) -> bool:
+        """``ep`` holds ``chunk`` of that version: verified by its fetch, or published."""
+        return version_key in ep.published or bool(self._held.get((ep.name, version_key), 0) >> chunk & 1)
+
     def _landed(self, fid: int) -> None:
         src, fetch, chunk = self._untrack(fid)
-        fetch.landed(chunk, fid)
+        level, nbytes, rebuild_s = self._wire.pop(fid)
+        self.wire_bytes[level] += nbytes
+        if level == "remote":
+            self.wan_readers.add(fetch.ep.name)
+        fetch.landed(chunk, fid, rebuild_s)
 
     def stop_transfer(self, fid: int) -> None:
         if fid in self._flows:
             self._untrack(fid)
-            self.net.stop(fid)
+            level, _, _ = self._wire.pop(fid)
+            self.wire_bytes[level] += self.net.stop(fid)
 
     def _untrack(self, fid: int):
         src, fetch, chunk = self._flows.pop(fid)

@@ -37,6 +37,14 @@ def test_run_reports_every_promised_key(small, tmp_path):
     assert s["stall_ratio"] == pytest.approx(s["baseline_stall_s"] / s["ours_stall_s"], rel=1e-2)
     assert w["cross_dc"]["ours"]["wan_copies"] == pytest.approx(1.0)  # one copy crosses per version
     assert w["cross_dc"]["baseline"]["wan_copies"] > 1.0
+    d = w["cross_dc"]["deltas"]  # the two-version runs, deltas off and on
+    assert d["ratio"] == 0.058 and d["wan_bytes_ratio"] == pytest.approx(d["ratio"], rel=1e-2)
+    assert d["ours"]["delta_chunks"] == 0 < d["ours_deltas"]["delta_chunks"]
+    assert d["ours"]["wan_copies"] == d["ours_deltas"]["wan_copies"] == pytest.approx(1.0)  # the hub plans as ever
+    assert d["remote_stall_ratio"] == pytest.approx(
+        d["ours_deltas"]["remote_stall_s"] / d["ours"]["remote_stall_s"], rel=1e-2)
+    assert d["stall_ratio_with_deltas"] == pytest.approx(
+        d["baseline_deltas"]["remote_stall_s"] / d["ours_deltas"]["remote_stall_s"], rel=1e-2)
     assert result["calibration"]["rows"] == [] and result["calibration"]["max_error"] is None
     assert [r["rollout_gpus"] for r in result["curves"]["rows"]] == [4, 8]
     assert result["wall_s"] > 0 and "standalone.ours" in result["wall"]
