@@ -346,7 +346,9 @@ def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
                                                     help="simulator parameters, YAML (defaults: specs/sim.yaml)"),
               profile: Optional[Path] = typer.Option(None, metavar="FILE", help="write a cProfile of the run"),
               scale: bool = typer.Option(False, "--scale", help="also ours at 32 … 4,096 rollout GPUs against "
-                                                                 "each run's network-only bound (minutes)")) -> None:
+                                                                 "each run's network-only bound (minutes)"),
+              deltas: bool = typer.Option(False, "--deltas", help="also cross-DC over two versions with deltas "
+                                                                   "off and on (params' deltas; minutes)")) -> None:
     """Flow-level simulation driven by the real hub: standalone, elastic and cross-DC vs their baselines at
     cluster scale, calibrated against docs/measurements (--plot: scale curves to 4,096 GPUs, minutes)."""
     from ..sim.params import ParamsError, load
@@ -360,7 +362,8 @@ def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
         step(f"bench sim: {gpus or p.cluster.gpus} GPUs, real hub on a simulated core"
              f"{', then scale curves' if plot else ''} …", err)
     try:
-        result = sim_bench.run(gpus=gpus, params_file=params, curves=plot is not None, profile=profile, scale=scale)
+        result = sim_bench.run(gpus=gpus, params_file=params, curves=plot is not None, profile=profile, scale=scale,
+                               deltas=deltas)
     except (ValueError, RuntimeError) as exc:  # (SimStuck is a RuntimeError)
         fail(f"th bench sim: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))

@@ -18,7 +18,8 @@ says where the wall time went (per part, and how much of it the real hub's own C
 not wall seconds: nothing here sleeps. ``profile``: a cProfile of the whole run is
 written there.
 
-Deltas (``params.deltas``; docs/design.md, "Deltas"): cross-DC also runs its two-version
+Deltas (``run(deltas=True)``, ``th bench sim --deltas``; ``params.deltas``; docs/design.md,
+"Deltas"): cross-DC also runs its two-version
 variant (``workloads.cross_dc_versions``, the v2 round measured) four times with one
 seed: ours and the baseline, each with deltas off and on (whatever ``deltas.enabled``
 says). ``wan_bytes_ratio`` and ``remote_stall_ratio`` are ours with deltas ÷ ours
@@ -82,12 +83,14 @@ def _elastic(p: SimParams, t: int, r: int, wall: dict) -> dict:
             "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
 
 
-def _cross_dc(p: SimParams, t: int, r: int, wall: dict) -> dict:
+def _cross_dc(p: SimParams, t: int, r: int, wall: dict, deltas: bool = False) -> dict:
     ours, base = _arms("cross_dc", wall, lambda: W.cross_dc(p, "ros", t, r), lambda: W.cross_dc(p, "star", t, r))
     keys = (*_COMMON, "tp", "remote_version_s", "remote_stall_s", "local_stall_s", "local_gpus", "remote_gpus", "wan_copies")
     return {"ours_stall_s": _r(ours["remote_stall_s"]), "baseline_stall_s": _r(base["remote_stall_s"]),
             "stall_ratio": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),
-            "ours": _detail(ours, keys), "baseline": _detail(base, keys), "deltas": _cross_dc_deltas(p, t, r, wall)}
+            "ours": _detail(ours, keys), "baseline": _detail(base, keys),
+            # (four two-version runs, most of the bench's wall: only when asked, ``--deltas``)
+            "deltas": _cross_dc_deltas(p, t, r, wall) if deltas else None}
 
 
 def _with_deltas(p: SimParams, on: bool) -> SimParams:
@@ -119,7 +122,7 @@ def _cross_dc_deltas(p: SimParams, t: int, r: int, wall: dict) -> dict:
             **{name: _detail(arm, keys) for name, arm in runs.items()}}
 
 
-def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False,
+def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False, deltas: bool = False,
         measurements: Path | str | None = None, profile: Path | str | None = None, scale: bool = False) -> dict:
     began, cpu0 = time.perf_counter(), time.process_time()
     prof = cProfile.Profile() if profile else None
@@ -131,7 +134,7 @@ def run(gpus: int | None = None, params_file: Path | str | None = None, curves: 
         t, r = W.split(p, gpus)
         wall: dict[str, tuple[float, dict]] = {}
         workloads = {"standalone": _standalone(p, t, r, wall), "elastic": _elastic(p, t, r, wall),
-                     "cross_dc": _cross_dc(p, t, r, wall)}
+                     "cross_dc": _cross_dc(p, t, r, wall, deltas)}
         w0 = time.perf_counter()
         files = calibrate.measurements(measurements) if measurements is not None else None
         calibration = calibrate.summary(p, files)

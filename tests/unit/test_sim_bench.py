@@ -25,7 +25,7 @@ def small(tmp_path):
 def test_run_reports_every_promised_key(small, tmp_path):
     measured = tmp_path / "m"
     measured.mkdir()
-    result = sim.run(params_file=small, measurements=measured, curves=True)
+    result = sim.run(params_file=small, measurements=measured, curves=True, deltas=True)
     json.dumps(result)  # plain data
     assert result["gpus"] == 32 and (result["trainer_gpus"], result["rollout_gpus"]) == (8, 24)
     w = result["workloads"]
