@@ -9,7 +9,9 @@ with the global stage's barrier), on ``gpus`` GPUs split trainer:rollout by
 asked, the curves (``sim.curves``). It returns one JSON-able dict whose required keys
 are ``gpus``, ``workloads.standalone.{ours_stall_s, baseline_stall_s, stall_ratio}``,
 ``workloads.elastic.{ours_update_s, baseline_update_s, update_ratio}``,
-``workloads.cross_dc.{ours_stall_s, baseline_stall_s, stall_ratio}``,
+``workloads.cross_dc.{ours_stall_s, baseline_stall_s, stall_ratio}``, each workload
+also ``baseline_gathered`` and ``ratio_gathered`` (the baseline with ``roles.export``
+"gathered": one sender per trainer node),
 ``workloads.cross_dc.deltas.{ratio, wan_bytes_ratio, remote_stall_ratio,
 stall_ratio_with_deltas}``,
 ``calibration.{max_error, rows}`` and ``wall_s``; ``cpu_s`` is this process's CPU time
@@ -66,12 +68,28 @@ def _arms(name: str, wall: dict, ours_run, base_run) -> tuple[dict, dict]:
     return ours, base
 
 
+def _gathered(p: SimParams) -> SimParams:
+    """The baseline's other export (docs/design.md, "The baselines"): one rank per
+    trainer node sends, as an engine that gathers its weights before sending does."""
+    return p.model_copy(update={"roles": p.roles.model_copy(update={"export": "gathered"})})
+
+
+def _gathered_arm(name: str, wall: dict, run, key: str, ours: float) -> dict:
+    """The baseline again with a gathered export: its ``key`` figure and its ratio to ours'."""
+    w0 = time.perf_counter()
+    base = run()
+    wall[f"{name}.baseline_gathered"] = (time.perf_counter() - w0, base)
+    return {"baseline_gathered": _r(base[key]), "ratio_gathered": _r(base[key] / ours, 3)}
+
+
 def _standalone(p: SimParams, t: int, r: int, wall: dict) -> dict:
     ours, base = _arms("standalone", wall, lambda: W.standalone(p, "ros", t, r, barrier=False),
                        lambda: W.standalone(p, "star", t, r, barrier=True))
     keys = (*_COMMON, "tp", "rollout_stall_s", "trainer_stall_s", "publish_s")
     return {"ours_stall_s": _r(ours["stall_s"]), "baseline_stall_s": _r(base["stall_s"]),
             "stall_ratio": _r(base["stall_s"] / ours["stall_s"], 3),
+            **_gathered_arm("standalone", wall, lambda: W.standalone(_gathered(p), "star", t, r, barrier=True),
+                            "stall_s", ours["stall_s"]),
             "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
 
 
@@ -80,6 +98,8 @@ def _elastic(p: SimParams, t: int, r: int, wall: dict) -> dict:
     keys = (*_COMMON, "tp", "standing_gpus", "joiner_gpus")
     return {"ours_update_s": _r(ours["update_s"]), "baseline_update_s": _r(base["update_s"]),
             "update_ratio": _r(base["update_s"] / ours["update_s"], 3),
+            **_gathered_arm("elastic", wall, lambda: W.elastic(_gathered(p), "star", t, r), "update_s",
+                            ours["update_s"]),
             "ours": _detail(ours, keys), "baseline": _detail(base, keys)}
 
 
@@ -88,6 +108,8 @@ def _cross_dc(p: SimParams, t: int, r: int, wall: dict, deltas: bool = False) ->
     keys = (*_COMMON, "tp", "remote_version_s", "remote_stall_s", "local_stall_s", "local_gpus", "remote_gpus", "wan_copies")
     return {"ours_stall_s": _r(ours["remote_stall_s"]), "baseline_stall_s": _r(base["remote_stall_s"]),
             "stall_ratio": _r(base["remote_stall_s"] / ours["remote_stall_s"], 3),
+            **_gathered_arm("cross_dc", wall, lambda: W.cross_dc(_gathered(p), "star", t, r), "remote_stall_s",
+                            ours["remote_stall_s"]),
             "ours": _detail(ours, keys), "baseline": _detail(base, keys),
             # (four two-version runs, most of the bench's wall: only when asked, ``--deltas``)
             "deltas": _cross_dc_deltas(p, t, r, wall) if deltas else None}

@@ -45,6 +45,9 @@ class Cluster(Strict):
 class Roles(Strict):
     trainer_fraction: float = Field(0.25, gt=0, lt=1, description="trainer GPUs / all GPUs")
     rollout_tp: int = Field(32, ge=1, le=4096, description="GPUs per rollout instance; each reads a 1/tp slice")
+    export: Literal["every_rank", "gathered"] = Field(
+        "every_rank", description="how the trainer publishes: every rank its own shard (ours, in place), or "
+                                  "gathered: one rank per node sends its node's shards (as verl's engine gathers)")
 
 
 class Model(Strict):

@@ -64,11 +64,15 @@ class Cast:
     def __init__(self, world: World, trainer: int, rollouts: list[tuple[int, int]], tp: int):
         """``rollouts``: (GPU index, rollout number) per rollout GPU."""
         self.world, self.tp = world, tp
-        self.trainer = [world.endpoint(f"trainer-{r}", r, "trainer") for r in range(trainer)]
+        # ``roles.export`` "gathered": one rank per trainer node sends (its node's
+        # shards); the other trainer GPUs still stall with it.
+        per = world.params.cluster.gpus_per_node if world.params.roles.export == "gathered" else 1
+        senders = max(1, trainer // per)
+        self.trainer = [world.endpoint(f"trainer-{r}", r * (trainer // senders), "trainer") for r in range(senders)]
         self.rollouts = [world.endpoint(f"rollout-{i}", gpu, "rollout") for gpu, i in rollouts]
         self.number = {ep.name: i for (_, i), ep in zip(rollouts, self.rollouts)}
         m = world.params.model
-        self.shards = sc.manifests(m.nbytes, trainer, m.chunk_bytes)
+        self.shards = sc.manifests(m.nbytes, senders, m.chunk_bytes)
         self.nchunks = sum(len(s.chunks) for s in self.shards)
 
     def want(self, ep) -> int:
