@@ -10,7 +10,8 @@ failed, whose source expired, or that nobody could feed before, go to the roots 
 
 Roots, in order (contract 8: cost before load): holders of the chunk now in the
 reader's node, rack and DC (``planner.choose``: cheapest level, then least scheduled
-load, a reader before a publisher); then a member of the reader's DC that brings the
+load, a reader before a publisher; a publisher offers only chunks no reader in the DC
+holds, ``rules.copies``); then a member of the reader's DC that brings the
 chunk across the DC link (``Swarms.feeders``); then a holder in another DC, which makes
 this reader the DC's feeder of that chunk. So each chunk crosses into a DC once, and
 the crossing is striped over the DC's swarms (each swarm's first members bring their
@@ -23,7 +24,7 @@ The "star" planner (the baselines) schedules every chunk straight from a publish
 
 from __future__ import annotations
 
-from ..planner import Candidate, PlanResult, choose
+from ..planner import Candidate, PlanResult, choose, copies
 from ..planner.schedule import Swarms
 from ..planner.topology import REMOTE, groups, level_between
 from .registry import Version
@@ -126,6 +127,7 @@ def _far(v: Version, dc: str, chunks: int) -> set[str]:
 
 def _candidates(hub: HubState, now: float, v: Version, reader: Endpoint, names, level: int | None, chunks: int,
                 avoid) -> list[Candidate]:
+    relayed = None
     out = []
     for name in names:
         rep = v.replicas.get(name)
@@ -133,8 +135,22 @@ def _candidates(hub: HubState, now: float, v: Version, reader: Endpoint, names, 
             continue
         if name in v.draining or not hub.alive(now, name):
             continue
+        held = rep.held
+        if rep.rank >= 0 and not avoid and level is not None:
+            # A publisher sends into a DC only chunks no reader there holds (its link is
+            # the scarce one: a joiner of a replicated version reads it from readers
+            # even where the trainer is nearer). A reader that met a bad holder may
+            # have any chunk from it (contract 5).
+            if relayed is None:
+                dc = reader.place.dc
+                relayed = v.spread.get(dc)
+                if relayed is None:
+                    relayed = v.spread[dc] = copies(v.near.get(("dc", dc), _NONE), v.replicas, v.draining)
+            held &= ~relayed[0]
+            if not held & chunks:
+                continue
         at = level_between(reader.place, hub.endpoints[name].place) if level is None else level
-        out.append(Candidate(name, rep.held, at, hub.load.get(name, 0), name in avoid, rep.rank >= 0))
+        out.append(Candidate(name, held, at, hub.load.get(name, 0), name in avoid, rep.rank >= 0))
     return out
 
 

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 
 def test_bench_hub_prints_the_agreed_keys_and_every_reader_completes():
     proc = subprocess.run([sys.executable, "-m", "tensorhub_cli", "bench", "hub", "--json", "--endpoints", "24",
-                           "--tensors", "40", "--chunk-mb", "16", "--timeout", "60"],
+                           # (400 tensors: each phase costs the hub ~0.1 s, well over psutil's
+                           # 10 ms CPU tick; at 40 a phase read 0.0 s on a loaded machine)
+                           "--tensors", "400", "--chunk-mb", "16", "--timeout", "60"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)

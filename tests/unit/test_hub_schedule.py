@@ -126,3 +126,12 @@ def test_every_scheduled_read_is_pinned_and_a_report_unpins_it():
     assert v.reads["r1"] == {r.chunk: r.source for r in got.reads}
     hub.progress(0.0, p.Progress(name="r1", model=MODEL, version=1, chunks=[got.reads[0].chunk]))
     assert got.reads[0].chunk not in v.reads["r1"]
+
+
+def test_a_joiner_of_a_replicated_version_reads_it_from_readers_even_beside_the_trainer():
+    hub, names = _published(nchunks=4, readers=2)
+    reg(hub, 0.0, info("j", node="t", rack="rt", dc="dc1"))  # on the trainer's own node
+    _schedule(hub, "r0")
+    hub.progress(0.0, p.Progress(name="r0", model=MODEL, version=1, chunks=[0, 1, 2, 3]))
+    got = _schedule(hub, "j", want=0b0011)  # another slice: a swarm of its own, fed by the roots
+    assert {r.source for r in got.reads} == {"r0"}, got.reads
