@@ -68,8 +68,8 @@ class Fetch(Strict):
     """A reader's loop (endpoint/fetch.py) and what its steps cost."""
 
     protocol: Literal["schedule", "window"] = Field(
-        "window", description="window: a plan per window (endpoint/fetch.py, what readers run today); "
-                              "schedule: one plan per reader, trees (hub/scheduling.py, sim/reader.py)")
+        "schedule", description="schedule: one plan per reader, chains (hub/scheduling.py, sim/reader.py: what "
+                                "endpoints run); window: a plan per window (endpoint/fetch.py, TH_FETCH=window)")
     window: int = Field(4, ge=1, le=1024, description="reads in flight per reader")
     report_s: float = Field(0.05, ge=0, description="results are reported at most this long after the first")
     plan_rtt_s: float = Field(0.0005, ge=0, description="a request's round trip on the wire, hub work excluded")

@@ -83,9 +83,9 @@ class Cast:
 
 
 def _world(params: SimParams, dcs: list[int], planner: str) -> World:
-    """Ours reads as ``fetch.protocol`` says (a schedule by default); the trainer-star
-    baselines keep the windowed reader they were measured with (docs/design.md,
-    "Schedules"): only ours changes between runs."""
+    """Ours reads as ``fetch.protocol`` says (a schedule by default, as endpoints do);
+    the trainer-star baselines keep the windowed reader they were always simulated with
+    (docs/design.md, "Schedules"): only ours changes between protocols."""
     if planner == "star":
         return World(params, dcs, planner=planner, fetch=params.fetch.model_copy(update={"protocol": "window"}))
     return World(params, dcs, planner=planner)
