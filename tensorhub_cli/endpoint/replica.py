@@ -58,7 +58,8 @@ class Held:
         with self.lock:
             return p.Holding(model=self.model, version=self.version, world=self.world, shards=self.shards,
                              rank=self.rank, held=sorted(self.held),
-                             reading=[p.Read(chunk=c, source=s) for c, s in sorted(self.reading.items())])
+                             reading=[p.Read(chunk=c, source=s) for c, s in sorted(self.reading.items())],
+                             partial=sorted(self.passed), layout=self.placed.layout if self.passed else "")
 
     def described(self, engine) -> wire.Described:
         if self.description is None:

@@ -114,6 +114,10 @@ class Holding(Msg):
     rank: int = -1  # >= 0: a publisher's shard; -1: a reader's (full manifest) replica
     held: list[int] = []  # global chunk ids (readers); publishers hold their whole shard
     reading: list[Read] = []  # reads in flight, so the rebuilt hub pins their sources again
+    # Chunks held in part (a reader of another layout: ``Plan.partial``) and that layout,
+    # so a rebuilt hub serves those tiles to readers of the same layout again.
+    partial: list[int] = []
+    layout: str = ""
 
 
 # --- operations ----------------------------------------------------------------------

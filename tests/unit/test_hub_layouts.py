@@ -56,3 +56,21 @@ def test_a_group_of_shard_readers_ends_its_round_once_each_has_its_shard():
         "the round of v1 stayed open though both shard readers had loaded their shards"
     assert hub.resolve(0, p.Resolve(name="tp1", model="policy", group="g")).version == 2
     assert not hub.models["policy"][1].complete("tp0")  # (no copy for retention: it holds tiles only)
+
+
+def test_a_rebuilt_hub_serves_a_readers_tiles_to_its_layout_again():
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n1"), info("tp0", node="n2"), info("tp0b", node="n3"))
+    m = manifest(2)
+    hub.publish(0, p.Publish(name="t", model="policy", version=1, manifest=m))
+    first = hub.plan(0, p.Plan(name="tp0", model="policy", version=1, want=want(0, 1), layout="X"))
+    hub.plan(0, p.Plan(name="tp0", model="policy", version=1, want=want(), layout="X",
+                       partial=[r.chunk for r in first.reads]))
+    # The hub restarts (or tp0 expired): tp0 registers again with what it holds, tiles too.
+    hub = new_hub()
+    reg(hub, 0, info("t", node="n1"), holdings=[p.Holding(model="policy", version=1, world=1, shards=[m], rank=0)])
+    reg(hub, 0, info("tp0", node="n2"), holdings=[p.Holding(model="policy", version=1, world=1, shards=[m],
+                                                          partial=[0, 1], layout="X")])
+    reg(hub, 0, info("tp0b", node="n3"))
+    second = hub.plan(0, p.Plan(name="tp0b", model="policy", version=1, want=want(0, 1), layout="X"))
+    assert {(r.source, r.partial) for r in second.reads} == {("tp0", True)}, second.reads
