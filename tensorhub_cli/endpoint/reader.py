@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..hub.registry import bits
+
 WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING = (
     "wanted", "waiting", "ready", "reading", "verifying", "held", "passed", "stopping")
 
@@ -155,7 +157,7 @@ class Reader:
 
     def __post_init__(self) -> None:
         self.by = {s: set() for s in (WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING)}
-        for c in _bits(self.wanted):
+        for c in bits(self.wanted):
             self.state[c] = WANTED
             self.by[WANTED].add(c)
 
@@ -196,7 +198,7 @@ class Reader:
             out.append(Failed(ev.message))
         elif isinstance(ev, Noticed):
             self.awaiting.discard(ev.source)
-            for c in _bits(ev.chunks):
+            for c in bits(ev.chunks):
                 if self.state.get(c) == WAITING and self.source[c] == ev.source:
                     self._set(c, READY, now)
         elif isinstance(ev, AwaitFailed):
@@ -329,9 +331,3 @@ class Reader:
         self.failed.append((chunk, self.source.get(chunk, "")))
         self._set(chunk, WANTED, now)
 
-
-def _bits(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low

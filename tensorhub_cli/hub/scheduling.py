@@ -27,7 +27,7 @@ from __future__ import annotations
 from ..planner import Candidate, PlanResult, choose, copies
 from ..planner.schedule import Swarms
 from ..planner.topology import REMOTE, groups, level_between
-from .registry import Version
+from .registry import Version, bits
 from .state import Endpoint, HubState
 
 _NONE: frozenset[str] = frozenset()
@@ -54,7 +54,7 @@ def assign(hub: HubState, now: float, v: Version, reader: Endpoint, want: int, n
                 continue
             mine = stripe & rest
             level = level_between(reader.place, hub.endpoints[parent].place)
-            for chunk in _bits(mine):
+            for chunk in bits(mine):
                 result.assigned.append((chunk, parent, level))
             rest &= ~mine
     _roots(hub, now, v, reader, rest, avoid, result)
@@ -75,7 +75,7 @@ def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int,
         result.waiting = chunks.bit_count()
         return
     swarms: Swarms = v.swarms
-    for chunk in _bits(chunks):
+    for chunk in bits(chunks):
         feeder = swarms.feeder(dc, chunk)
         if feeder is None or feeder == reader.name or feeder in avoid or not _usable(hub, now, v, feeder):
             continue
@@ -158,9 +158,3 @@ def _usable(hub: HubState, now: float, v: Version, name: str) -> bool:
     """May ``name`` still feed readers of ``v``: alive, its replica kept, not draining."""
     return name in v.replicas and name not in v.draining and hub.alive(now, name)
 
-
-def _bits(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
