@@ -107,7 +107,9 @@ def world(tmp_path_factory):
     token_file = base / "token"
     token_file.write_text(TOKEN)
     address = f"tcp://127.0.0.1:{free_port()}"
-    hub, client = start_hub(token_file, address)
+    # The engines beat at the endpoint default (1 s): a 1 s expiry (start_hub's) counts
+    # E1 dead whenever a beat runs late, and E2 then reads E1's chunks from the trainer.
+    hub, client = start_hub(token_file, address, expiry_s=5.0)
     children: list[Child] = []
     try:
         trainer = Child("trainer", "trainer", "--dir", str(base / "B"), "--hub", address,
