@@ -16,6 +16,8 @@ from tensorhub_cli.engines import nixl as nixl_engine
 from tensorhub_cli.engines import wire
 from tensorhub_cli.engines.base import EngineError, Pair, Region
 
+from .nixlkit import nixl_pair
+
 
 class RecordingAgent:
     """Records every descriptor list the engine hands NIXL."""
@@ -143,18 +145,7 @@ def test_the_description_round_trip_works_with_real_nixl_on_host_memory():
 
     import torch
 
-    from tensorhub_cli.engines.nixl_shim import NixlUnavailable
-
-    try:
-        holder, reader = nixl_engine.NixlEngine("holder"), nixl_engine.NixlEngine("reader")
-    except NixlUnavailable as exc:
-        pytest.skip(f"NIXL does not load here: {exc}")
-    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    handles = [(holder, holder.register([Region(src.data_ptr(), src.nbytes)])),
-               (reader, reader.register([Region(dst.data_ptr(), dst.nbytes)]))]
-    try:
-        peer = reader.add_peer("127.0.0.1:1", holder.describe(handles[0][1]))
+    with nixl_pair() as (holder, reader, peer, src, dst):
         assert (peer.mem, peer.device) == ("DRAM", 0)
         xfer = reader.read(peer, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)], -1, remote_device=-1)
         deadline = time.monotonic() + 20
@@ -164,11 +155,6 @@ def test_the_description_round_trip_works_with_real_nixl_on_host_memory():
             time.sleep(0.001)
         assert reader.state(xfer) == "done", "the NIXL READ did not finish within 20 s"
         assert reader.release(xfer) and torch.equal(dst, src)
-    finally:
-        for engine, handle in handles:
-            engine.deregister(handle)
-            engine.close()
-
 
 def test_the_peer_wire_carries_the_holders_device():
     sent = wire.Answer(body=wire.Described(engine="nixl", description=b"d", rank=0, addrs=[HOLDER_ADDR], device=3))

@@ -17,6 +17,8 @@ from tensorhub_cli.engines.base import Engine, EngineError, Pair, Region
 from tensorhub_cli.engines.serve import Regions
 from tensorhub_cli.engines.tcp import TcpEngine
 
+from .nixlkit import nixl_pair
+
 TOKEN = "t"
 
 
@@ -197,19 +199,7 @@ def test_a_callback_that_raises_is_logged_and_the_watcher_goes_on(caplog):
 def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():
     """The fake agent (test_nixl_engine) checks the bookkeeping; this, the real NIXL. The
     holder's ``progress`` stands for its endpoint's service thread."""
-    from tensorhub_cli.engines import nixl as nixl_engine
-    from tensorhub_cli.engines.nixl_shim import NixlUnavailable
-
-    try:
-        holder, reader = nixl_engine.NixlEngine("holder"), nixl_engine.NixlEngine("reader")
-    except NixlUnavailable as exc:
-        pytest.skip(f"NIXL does not load here: {exc}")
-    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    handles = [(holder, holder.register([Region(src.data_ptr(), src.nbytes)])),
-               (reader, reader.register([Region(dst.data_ptr(), dst.nbytes)]))]
-    try:
-        peer = reader.add_peer("127.0.0.1:1", holder.describe(handles[0][1]))
+    with nixl_pair() as (holder, reader, peer, src, dst):
         xfer = reader.read(peer, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
         calls = Calls()
         reader.when_over(xfer, calls)
@@ -220,8 +210,4 @@ def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():
         assert [s for s, _ in calls.wait(1)] == ["done"]
         assert reader.release(xfer) and torch.equal(dst, src)
         assert wait_idle(reader).idle
-    finally:
-        for engine, handle in handles:
-            engine.deregister(handle)
-            engine.close()
     assert not reader._watch._thread.is_alive()

@@ -21,6 +21,12 @@ def test_a_partial_file_keeps_the_other_defaults(tmp_path):
     ("cluster:\n  nic_gpbs: 100\n", "cluster.nic_gpbs"),  # a typo is an error, not a default
     ("hub:\n  heartbeat_s: 4\n  expiry_s: 5\n", "hub"),
     ("curves:\n  rollout_gpus: [8, 0]\n", "curves"),
+    ("deltas:\n  ratio: 0\n", "deltas.ratio"),
+    ("deltas:\n  ratio: 1.5\n", "deltas.ratio"),
+    ("deltas:\n  rebuild_gbps: 0\n", "deltas.rebuild_gbps"),
+    ("deltas:\n  levels: [wan]\n", "deltas.levels"),
+    ("deltas:\n  enable: true\n", "deltas.enable"),  # a typo is an error, not a default
+    ("roles:\n  export: all\n", "roles.export"),
 ])
 def test_a_bad_field_is_named(tmp_path, text, field):
     f = tmp_path / "p.yaml"
