@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 
 from .engine_map import ALIGN, EngineMap, LayerPlan, ParamPlan, Recording, Unmapped, _Call, plan
-from .engine_map import _index, _key, _probe  # noqa: F401 (this module's names before engine_map)
 
 log = logging.getLogger(__name__)
 __all__ = ["ALIGN", "EngineMap", "LayerPlan", "ParamPlan", "Unmapped", "checkpoint_tensors", "derive"]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tensorhub_cli.layout.boxes import Box
-from tensorhub_cli.layout.vllm_map import EngineMap, LayerPlan, ParamPlan, _Call, _probe
+from tensorhub_cli.layout.engine_map import _probe
+from tensorhub_cli.layout.vllm_map import EngineMap, LayerPlan, ParamPlan, _Call
 
 
 def call_for(loader, shape, *extra):
