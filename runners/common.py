@@ -50,11 +50,13 @@ def add_common(ap: argparse.ArgumentParser) -> None:
     m.add_argument("--seq", type=int, default=64)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--arch", default="auto", choices=["auto", "llama", "torch"])
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the published weights' dtype (a bfloat16 trainer trains float32 master weights)")
 
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq,
-                       seed=args.seed, arch=args.arch)
+                       seed=args.seed, arch=args.arch, dtype=args.dtype)
 
 
 def join(args, role: str, reliable: bool = True, group: str | None = None):

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROBE = "probe.logits"  # the probe travels as one more (small) tensor of the version
 PROMPT = [1, 7, 42, 99, 3, 250, 17, 5]
 
@@ -35,6 +36,10 @@ class ModelConfig:
     seq: int = 64
     seed: int = 0
     arch: str = "auto"  # auto (llama when transformers imports), llama, torch
+    # The published (and served) weights' dtype. A bfloat16 trainer keeps float32 master
+    # weights and publishes them rounded, as RL trainers do: between steps most bf16
+    # elements then stay the same (deltas).
+    dtype: str = "float32"
 
     def resolved_arch(self) -> str:
         if self.arch != "auto":
@@ -67,7 +72,9 @@ def build(cfg: ModelConfig) -> nn.Module:
         model = TorchDecoder(cfg)
     else:
         raise ValueError(f"arch: {cfg.arch!r} is not one of auto, llama, torch")
-    return model.eval()
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype: {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    return model.to(DTYPES[cfg.dtype]).eval()
 
 
 def describe(cfg: ModelConfig, model: nn.Module) -> dict:

@@ -29,7 +29,7 @@ loop (planning, transfers, checksums: ``LOOP_STAGES``), without placing memory o
 check. Staleness is the newest version the hub knows minus the one held, at the start
 of each generation window.
 
-Events on stdout: ``loaded`` per version (stall, fetch, staleness, bytes),
+Events on stdout: ``loaded`` per version (stall, fetch, staleness, bytes, deltas),
 ``generated`` per window (version, rounds, tokens), ``unpublished`` (double-buffered:
 an old version let go, after its swap), ``retry``, ``mismatch``, ``done``. Stops after
 loading ``--until-version`` and one generation, at SIGTERM, or after ``--duration-s``.
@@ -53,6 +53,8 @@ PROMPTS = [[3, 14, 15, 92], [2, 71, 82, 81], [1, 41, 42, 13]]
 MISMATCH = 3
 # The fetch loop, placing and checking excluded: what the simulator models (sim.calibrate)
 LOOP_STAGES = ("plan_wait_s", "transfer_s", "verify_s")
+# Chunks read as deltas, the bytes those took on the wire, and deltas read again in full
+DELTA_STATS = ("delta_reads", "delta_wire_bytes", "delta_failed")
 
 
 def newest(ep, model: str) -> int:
@@ -80,7 +82,7 @@ def loaded(ep, model: str, version: int, previous: int, began: float, stall: flo
          bytes=stats["bytes"], from_publishers=stats["from_publishers"], corrupt=stats["corrupt"],
          failed=stats["failed"], loop_s=sum(stats.get(k, 0.0) for k in LOOP_STAGES), wait_s=wait_s,
          staleness=max(0, newest(ep, model) - version), probe_ok=True,
-         buffers=buffers)
+         buffers=buffers, **{k: stats.get(k, 0) for k in DELTA_STATS})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@ Protocol of one step s (contract 3: published bytes never change):
 3. the optimizer step (AdamW) mutates the parameters in place.
 4. the probe (logits of a fixed prompt) is computed from the new weights.
 5. publish s: in-place, the parameters themselves; snapshot, a copy in a free buffer
-   set from a pool. In both, the probe goes along as one more small tensor.
+   set from a pool (``--dtype bfloat16``: rounded from the float32 master weights, and
+   the probe computed from those rounded weights, as a rollout serves them). In both,
+   the probe goes along as one more small tensor.
 6. snapshot: versions older than the newest ``--keep`` are unpublished (with drain);
    only then does their buffer set go back to the pool.
 
@@ -31,6 +33,7 @@ trainer keeps serving until SIGTERM or ``--linger-s``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 
@@ -99,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     stopping = stop_on_signals()
     M.deterministic()
     cfg = model_config(args)
-    net = M.build(cfg).train()
+    if cfg.dtype != "float32" and args.publish_mode != "snapshot":
+        raise SystemExit(f"--dtype {cfg.dtype}: the trainer keeps float32 master weights and publishes rounded "
+                         "copies, which needs --publish-mode snapshot")
+    net = M.build(dataclasses.replace(cfg, dtype="float32")).train()
+    served = M.build(cfg) if cfg.dtype != "float32" else None  # the probe's model: the published weights
     params = M.weights(net)
     mine = shard_of(list(params), args.rank, args.world)
     # One optimizer per parameter: AdamW is elementwise, so this is the same update as
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizers = [torch.optim.AdamW([p], lr=args.lr) for p in plist] if args.slow_step_s else \
         [torch.optim.AdamW(plist, lr=args.lr)]
     probe = torch.empty_like(M.probe(net))
-    pool = BufferPool({n: params[n] for n in mine}) if args.publish_mode == "snapshot" else None
+    dtype = M.DTYPES[cfg.dtype]
+    pool = BufferPool({n: params[n].to(dtype) for n in mine}) if args.publish_mode == "snapshot" else None
     ep = join(args, "trainer")
     emit("started", name=args.name, model=M.describe(cfg, net), mode=args.publish_mode, rank=args.rank,
          world=args.world)
@@ -135,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                 for opt in optimizers:
                     opt.step()
             step_ended = time.time()
-            probe.copy_(M.probe(net.eval()))
+            if served is not None:
+                for n, w in M.weights(served).items():
+                    w.copy_(params[n])  # rounded as published
+                probe.copy_(M.probe(served))
+            else:
+                probe.copy_(M.probe(net.eval()))
             net.train()
             t0 = time.monotonic()
             if pool is not None:

@@ -248,10 +248,22 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
              rollouts: int = typer.Option(3, min=1, max=16, metavar="N", help="rollout runners"),
              hidden: int = typer.Option(512, min=16, metavar="N", help="model hidden size (a multiple of 8)"),
              layers: int = typer.Option(8, min=1, metavar="N", help="model layers"),
-             step_s: float = typer.Option(1.5, min=0, metavar="SECONDS",
-                                          help="the trainer's pace, seconds per step at least"),
+             step_s: Optional[float] = typer.Option(None, min=0, metavar="SECONDS",
+                                                    help="the trainer's pace, seconds per step at least (default "
+                                                    "1.5; with --wan-mbit, 1.5 x a full version's crossing)"),
              engine: str = EngineOpt, timeout: float = TimeoutOpt,
              tp: int = typer.Option(1, "--tp", metavar="N", help="vllm: tensor-parallel ranks per engine (1, 2 or 4)"),
+             wan_mbit: Optional[float] = typer.Option(None, "--wan-mbit", min=0.001, metavar="MBIT",
+                                                      help="cross-dc on the testbed: the DC links' rate; runs ours "
+                                                      "with and without deltas beside the baseline (bfloat16 "
+                                                      "weights, lr 1e-5) and reports the delta section"),
+             deltas: bool = typer.Option(False, "--deltas", help="cross-dc: also run ours with deltas off and "
+                                         "report the delta section (implied by --wan-mbit)"),
+             dtype: Optional[str] = typer.Option(None, "--dtype", metavar="float32|bfloat16",
+                                                 help="the published weights' dtype (default float32; bfloat16 "
+                                                 "with --wan-mbit)"),
+             lr: Optional[float] = typer.Option(None, "--lr", min=0, help="the trainer's learning rate (default "
+                                                "1e-3; 1e-5 with --wan-mbit, an RL-like rate)"),
              testbed: bool = typer.Option(False, "--testbed", help="on an 8-node namespace testbed it builds and "
                                           "removes (needs root and network namespaces: ip, tc, unshare, nsenter)"),
              double_buffer: bool = typer.Option(True, "--double-buffer/--in-place",
@@ -273,8 +285,17 @@ def bench_rl(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
     if not as_json:
         where = "an 8-node testbed (built now, removed after)" if testbed else "loopback"
         step(f"bench rl {workload}: trainer + rollouts on {where}, ours then baseline …", err)
-    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, step_s=step_s, engine=engine,
-                     timeout_s=timeout, double_buffer=double_buffer)
+    if dtype not in (None, "float32", "bfloat16"):
+        fail(f"th bench rl: --dtype must be float32 or bfloat16, got {dtype!r}", 2)
+    if wan_mbit is not None and not (testbed and workload == "cross-dc"):
+        fail("th bench rl: --wan-mbit is the testbed's DC link rate: it needs --testbed and --workload cross-dc", 2)
+    if deltas and workload != "cross-dc":
+        fail(f"th bench rl: --deltas compares deltas across DCs: it needs --workload cross-dc, not {workload}", 2)
+    wan = wan_mbit is not None
+    knobs = rl.Knobs(steps=steps, rollouts=rollouts, hidden=hidden, layers=layers, engine=engine,
+                     timeout_s=timeout, double_buffer=double_buffer, deltas=deltas or wan, wan_mbit=wan_mbit,
+                     dtype=dtype or ("bfloat16" if wan else "float32"), lr=lr if lr is not None else (1e-5 if wan else None))
+    knobs.step_s = step_s if step_s is not None else rl.paced_step_s(knobs)
     try:
         result = rl.run(workload, knobs, on_testbed=testbed)
     except (RigError, RuntimeError, OSError, ValueError) as exc:

@@ -61,12 +61,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..hub import protocol as p
 from ..hub.client import HubClient
 from ..launch.procs import stop_child
 from .rig import RigError, hub
-from .testbed import Site, testbed
+from .rl_deltas import WanMeter, arm_rows, summary
+from .testbed import Site, link_counters, testbed
 
 WORKLOADS = ("standalone", "elastic", "cross-dc")
 # The testbed these workloads run on (cross-dc: 2 DCs of 2 racks each), which
@@ -89,9 +91,27 @@ class Knobs:
     window: int = 4  # each rollout's reads in flight
     double_buffer: bool = True  # ours: double-buffered rollouts (the baselines are in-place)
     timeout_s: float = 600.0
+    dtype: str = "float32"  # the published weights' (bfloat16: float32 master weights, rounded)
+    lr: float | None = None  # the trainer's (None: its default)
+    # cross-dc: also run ours with deltas off and report the ``delta`` section
+    # (bench/rl_deltas.py); ``wan_mbit``: the testbed's DC links' rate
+    deltas: bool = False
+    wan_mbit: float | None = None
 
     def model_args(self) -> list[str]:
-        return ["--hidden", str(self.hidden), "--layers", str(self.layers), "--heads", "8"]
+        return ["--hidden", str(self.hidden), "--layers", str(self.layers), "--heads", "8", "--dtype", self.dtype]
+
+
+def paced_step_s(k: Knobs) -> float:
+    """The default pace: 1.5 s, or with a WAN rate 1.5 x the time one full version
+    takes across it (plus a second), so each version crosses before the next is
+    published and the WAN bytes of each can be told apart (``rl_deltas.WanMeter``)."""
+    if not k.wan_mbit:
+        return 1.5
+    h, vocab = k.hidden, 2048  # runners.model: a Llama with 4h MLPs and as many KV heads as heads
+    params = k.layers * (4 * h * h + 3 * h * 4 * h + 2 * h) + 2 * vocab * h + h
+    nbytes = params * (2 if k.dtype == "bfloat16" else 4)
+    return round(max(1.5, 1.5 * nbytes * 8 / (k.wan_mbit * 1e6) + 1.0), 2)
 
 
 class Runner:
@@ -213,14 +233,19 @@ def testbed_layout(workload: str, n: int, state: dict) -> Layout:
     return Layout("n1", chosen[:need], site=Site(state))
 
 
-def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layout) -> dict:
+def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layout, deltas: str = "remote",
+            wan: Callable[[], int] | None = None) -> dict:
+    """One arm; ``deltas``: the hub's delta mode; ``wan``: the WAN byte counter to
+    sample per version (``rl_deltas.WanMeter``)."""
     planner = "star" if baseline else "ros"
     token = os.urandom(16).hex()
     token_file = logdir / "token"
     token_file.write_text(token)
     site = layout.site
+    meter = WanMeter(wan, lambda: trainer.of("published") if trainer is not None else [])
+    trainer = None
     with hub(planner=planner, expiry_s=5.0, token=token, host=site.address(layout.trainer),
-             prefix=site.prefix(layout.trainer)) as (address, _):
+             prefix=site.prefix(layout.trainer), deltas=deltas) as (address, _), meter:
         common = ["--hub", address, "--token-file", str(token_file), "--engine", k.engine, *k.model_args()]
         roll = [*common, "--rollout-s", str(k.rollout_s), "--until-version", str(k.steps), "--window", str(k.window),
                 "--duration-s", str(k.timeout_s), *(["--double-buffer"] if k.double_buffer and not baseline else [])]
@@ -246,7 +271,7 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
             step_s = max(k.step_s, k.join_step_s) if workload == "elastic" else k.step_s
             trainer = start("trainer", "runners.trainer", layout.trainer, *common,
                             "--steps", str(k.steps), "--step-s", str(step_s), "--chunk-mb", str(k.chunk_mb),
-                            "--linger-s", str(k.timeout_s),
+                            "--linger-s", str(k.timeout_s), *(["--lr", str(k.lr)] if k.lr is not None else []),
                             *(["--wait-for-readers", str(n)] if sync else []))
             if workload == "elastic":
                 # Joiners: one after version 1, one after version 2; the first leaves
@@ -301,6 +326,9 @@ def run_arm(workload: str, baseline: bool, k: Knobs, logdir: Path, layout: Layou
         "max_staleness": max_stale,
         "probe_mismatches": sum(len(r.of("mismatch")) for r in rollouts),
         "retries": sum(len(r.of("retry")) for r in rollouts),
+        "deltas": "off" if baseline else deltas,
+        # per version: WAN bytes (testbed), the remote rollouts' wait, their delta reads
+        "by_version": arm_rows(meter, trainer.of("published"), [e for r in rollouts if r.remote for e in r.of("loaded")]),
     }
 
 
@@ -365,23 +393,43 @@ def run(workload: str, knobs: Knobs | None = None, on_testbed: bool = False) -> 
     if workload not in WORKLOADS:
         raise ValueError(f"--workload {workload!r}: not one of {', '.join(WORKLOADS)}")
     k = knobs or Knobs()
+    if k.deltas and workload != "cross-dc":
+        raise ValueError(f"--deltas: delta rows are of the cross-dc workload, not {workload}")
+    if k.wan_mbit is not None and not (on_testbed and workload == "cross-dc" and k.wan_mbit > 0):
+        raise ValueError("--wan-mbit: a WAN rate is the testbed's DC links' (needs --testbed, "
+                         f"--workload cross-dc and a rate > 0; got {k.wan_mbit})")
     where: dict = {"site": "loopback"}
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="th-bench-rl-"))
+        wan = None
         if on_testbed:
             flags = ["--dcs", "2", "--racks", str(2 * TESTBED_RACKS)] if workload == "cross-dc" \
                 else ["--racks", str(TESTBED_RACKS)]
+            if k.wan_mbit:
+                flags += ["--dc-gbps", str(k.wan_mbit / 1000)]
             state = stack.enter_context(testbed(TESTBED_NODES, *flags))
             layout = testbed_layout(workload, k.rollouts, state)
             where = {"site": "testbed", "rates_mbit": state["rates_mbit"], "check": state["check"]}
+            if workload == "cross-dc":
+                far = layout.dc(layout.rollouts[-1])
+
+                def wan() -> int:  # what went down into the rollouts' DC: every copy that crossed
+                    return link_counters(state, "dc", far)["tx_bytes"]
         else:
             layout = loopback_layout(workload, k.rollouts)
+        plan = [("ours", False, "remote"), ("baseline", True, "off")]
+        if k.deltas:
+            plan.insert(1, ("ours_full", False, "off"))
         arms = {}
-        for arm, baseline in (("ours", False), ("baseline", True)):
+        for arm, baseline, mode in plan:
             logdir = Path(tmp) / arm
             logdir.mkdir()
-            arms[arm] = run_arm(workload, baseline, k, logdir, layout)
+            arms[arm] = run_arm(workload, baseline, k, logdir, layout, deltas=mode if k.deltas else "remote", wan=wan)
     ours, base = arms["ours"], arms["baseline"]
+    extra = {}
+    if k.deltas:
+        extra = {"ours_full": arms["ours_full"],
+                 "delta": summary(ours["by_version"], arms["ours_full"]["by_version"], ours["version_bytes"])}
     return {
         "workload": workload, **where, "ours": ours, "baseline": base,
         "stall_ratio": round(base["rollout_stall_s"] / ours["rollout_stall_s"], 3) if ours["rollout_stall_s"] else None,
@@ -390,6 +438,7 @@ def run(workload: str, knobs: Knobs | None = None, on_testbed: bool = False) -> 
         "mean_staleness": {"ours": ours["mean_staleness"], "baseline": base["mean_staleness"]},
         "trainer_stall_ratio": round(base["trainer_stall_s"] / ours["trainer_stall_s"], 3)
         if ours["trainer_stall_s"] else None,
-        "probe_mismatches": ours["probe_mismatches"] + base["probe_mismatches"],
+        "probe_mismatches": sum(a["probe_mismatches"] for a in arms.values()),
+        **extra,
         "knobs": k.__dict__,
     }

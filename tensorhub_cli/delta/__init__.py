@@ -6,6 +6,6 @@ and checks the manifest's digest; every refusal is a ``DeltaError`` naming what 
 wrong. A rebuilt chunk counts only once verified against v+1's digest (contract 5).
 """
 
-from .codec import DeltaError, decode, encode, rebuild_verified
+from .codec import DeltaError, decode, encode, rebuild, rebuild_verified
 
-__all__ = ["DeltaError", "decode", "encode", "rebuild_verified"]
+__all__ = ["DeltaError", "decode", "encode", "rebuild", "rebuild_verified"]

@@ -79,10 +79,11 @@ def encode(old, new, method: str = DEFAULT_METHOD, level: int = DEFAULT_LEVEL) -
 
 def decode(old, delta) -> bytes:
     """The new chunk's bytes: ``delta`` applied to ``old``. Raises ``DeltaError`` naming what is wrong."""
-    return _rebuild(old, delta).tobytes()
+    return rebuild(old, delta).tobytes()
 
 
-def _rebuild(old, delta) -> np.ndarray:
+def rebuild(old, delta) -> np.ndarray:
+    """``decode``, as a new writable uint8 array (no copy into bytes)."""
     a = _bytes_of(old, "old")
     d = memoryview(_bytes_of(delta, "delta"))
     if len(d) < HEADER_BYTES:
@@ -125,7 +126,7 @@ def rebuild_verified(old, delta, expected_digest: int, kind: str = "xxh3") -> by
         raise DeltaError(f"kind: {kind!r} is not a digest (one of {', '.join(DIGESTS)})")
     import torch
 
-    new = _rebuild(old, delta)
+    new = rebuild(old, delta)
     got = digest(torch.from_numpy(new), kind)
     if got != expected_digest:
         raise DeltaError(f"rebuilt chunk: {kind} digest {got:#x} is not the manifest's {expected_digest:#x}")

@@ -72,7 +72,7 @@ from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, verify
-from . import checks, fetching, publishing, streams
+from . import checks, deltas, fetching, publishing, streams
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
 from .peer import IDLE_S as PEER_IDLE_S
@@ -208,6 +208,14 @@ class Endpoint:
                 known = {r.chunk for r in have.reading}
                 have.reading = have.reading + [r for r in extra.reading if r.chunk not in known]
         return list(out.values())
+
+    def held_chunk(self, model: str, version: int, chunk: int):
+        """Chunk ``chunk`` (a global id) of ``model@version`` in our memory when we hold it
+        whole and verified (a delta's base, ``scheduled``), else None."""
+        held = self._replicas.get((model, version))
+        if held is not None and held.rank >= 0 and held.world > 1:  # a shard: its chunks are not numbered globally
+            return None
+        return deltas.whole(held, chunk)
 
     def holds_memory(self) -> bool:
         return bool(self._replicas)

@@ -4,7 +4,8 @@ destination, run ``Fetch``, and on failure leave nothing behind (``Endpoint.fetc
 Protocol of ``fetch(ep, model, version, into=..., ...)`` (the caller's thread):
 
 1. Resolve the version at the hub (``waiting``; with the endpoint's group unless the
-   caller names another: contract 2).
+   caller names another: contract 2), naming the versions we hold whole, so that one of
+   those comes back without its manifests (``Resolve.known``).
 2. *Claim* it (``claim``): one fetch of a version at a time between "is it held?" and
    holding it. A fetch of a version another thread of this endpoint is filling waits
    for that one and takes its outcome: a complete replica in this memory returns at
@@ -28,6 +29,8 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+
+import msgspec
 from typing import Callable, Optional
 
 from ..errors import EndpointError, FetchError, HubError, HubUnreachable, LayoutError
@@ -49,9 +52,17 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
                           resolve_timeout)
     started = time.monotonic()
     deadline = started + timeout
-    resolved = waiting.resolve(ep._call, p.Resolve(name=ep.name, model=model, version=number, group=group),
+    def ask(known: dict[int, int]) -> p.Resolved:
+        return waiting.resolve(ep._call, p.Resolve(name=ep.name, model=model, version=number, group=group,
+                                                   known=known),
                                deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
                                timeout=timeout)
+
+    holding = {h.version: h for h in ep._held() if h.model == model and h.rank < 0 and h.complete}
+    resolved = ask({n: h.digest for n, h in holding.items()})
+    if not resolved.shards:  # one we hold: its manifests are ours (or, let go meanwhile, ask for them)
+        mine = holding.get(resolved.version)
+        resolved = ask({}) if mine is None or mine.dropped else msgspec.structs.replace(resolved, shards=mine.shards)
     resolved_at = time.monotonic()
     with claim(ep, (model, resolved.version), deadline):
         held = _settled(ep, (model, resolved.version), deadline)

@@ -1,7 +1,8 @@
 """The holder side of the peer channel (see ``engines.wire``): an asyncio TCP server on
 its own thread, bound to the node's address, answering ``Describe`` from the endpoint's
 replicas, ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memory it
-serves (``engines.serve``, whatever the endpoint's engine), and ``Await`` from the
+serves (``engines.serve``, whatever the endpoint's engine), ``ReadDelta`` from two
+replicas (``deltas.answer``, on the loop's executor), and ``Await`` from the
 replica ``replica((model, version))`` finds: it awaits ``Held.await_held`` (woken by
 ``Held.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
 ``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``); a server
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 
 from ..engines import wire
 from ..engines.serve import SEND_TIMEOUT_S, Regions, serve_read
+from . import deltas
 from .replica import Held
 
 log = logging.getLogger("tensorhub.peer")
@@ -75,6 +77,8 @@ class PeerServer:
                 elif isinstance(ask.op, wire.Await):
                     writer.write(wire.frame(wire.Answer(body=await self._await(ask.op))))
                     await writer.drain()
+                elif isinstance(ask.op, wire.ReadDelta):
+                    await self._delta(writer, ask.op)
                 else:
                     writer.write(wire.frame(wire.Answer(body=self._describe(ask.op))))
                     await writer.drain()
@@ -112,6 +116,17 @@ class PeerServer:
         if have is None:
             return wire.Refused(code="not_found", message=f"the replica of {what} was dropped")
         return wire.Have(chunks=wire.mask_bytes(have))
+
+    async def _delta(self, writer: asyncio.StreamWriter, ask: wire.ReadDelta) -> None:
+        if self._replica is None:
+            head, payload = wire.Refused(code="not_found", message="this endpoint serves no deltas"), b""
+        else:  # the encode is CPU work: off the loop, which serves every other ask
+            head, payload = await asyncio.get_running_loop().run_in_executor(
+                None, deltas.answer, self._replica, ask)
+        writer.write(wire.frame(wire.Answer(body=head)))
+        if payload:
+            writer.write(payload)
+        await asyncio.wait_for(writer.drain(), self._send_timeout_s * max(1, len(payload) >> 24))
 
     @staticmethod
     async def _refuse(writer: asyncio.StreamWriter, code: str, message: str) -> None:

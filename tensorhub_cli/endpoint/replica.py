@@ -49,6 +49,14 @@ class Held:
     # Waits for chunks (``await_held``): (loop, future, mask), under ``lock``.
     waiters: list = field(default_factory=list)
     dropped: bool = False  # ``gone`` was called: every wait is refused
+    _digest: Optional[int] = None
+
+    @property
+    def digest(self) -> int:
+        """The version's ``manifest_digest`` (a reader's replica: as the hub computes it)."""
+        if self._digest is None:
+            self._digest = p.manifest_digest(self.world, self.shards)
+        return self._digest
 
     @property
     def key(self) -> tuple[str, int]:

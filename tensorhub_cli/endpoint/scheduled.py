@@ -18,6 +18,13 @@ the deadline): nothing here polls.
   answer is ``Noticed``; a refusal or a dead source, ``AwaitFailed``.
 - ``Stop``: the engine is told to stop the read; ``Stopped`` once it confirms.
 
+A read the hub planned with a ``base`` (``hub.deltas``) whose base chunk we hold
+verified is asked of its source as a delta (``delta_reads``) and is one more read in
+flight to the core. A delta that cannot be asked, rebuilt, or whose rebuilt chunk fails
+its checksum is read again in full: from the same source at once when the delta read
+failed, through the core's re-plan when the checksum did; either way that chunk is
+never asked as a delta again in this fetch.
+
 ``stop`` and ``unpinned`` (a failed fetch's clean-up) are the windowed loop's, over
 the same records (``inflight``, ``stopping``, ``verifying``), with the core's
 unreported results added.
@@ -38,6 +45,7 @@ from ..hub.client import HubClient, HubError
 from . import reader as core
 from . import streams
 from .fetch import Fetch
+from .delta_reads import DeltaAsk, DeltaReads
 from .inflight import Reading, Stopping, Verifying
 
 log = logging.getLogger("tensorhub.fetch")
@@ -52,6 +60,11 @@ class ScheduledFetch(Fetch):
         our layout needs."""
         super().__init__(*args, **kwargs)
         self.only = None if want is None else sum(1 << c for c in want)
+        self.bases: dict[int, int] = {}  # chunk -> the version the hub would have it read against
+        self.no_delta: set[int] = set()  # chunks whose delta failed: read in full from now on
+        self.by_delta: set[int] = set()  # chunks whose latest landing was rebuilt from a delta
+        self.deltas: DeltaReads | None = None  # made at the first delta read
+        self.stats.update(delta_reads=0, delta_wire_bytes=0, delta_full=0, delta_failed=0)
 
     def _loop(self) -> None:
         h = self.held
@@ -93,6 +106,8 @@ class ScheduledFetch(Fetch):
         finally:
             waits.shutdown(wait=False, cancel_futures=True)
             hub.shutdown(wait=False, cancel_futures=True)
+            if self.deltas is not None:  # (a read still running copies nothing once released)
+                self.deltas.close()
 
     # --- actions --------------------------------------------------------------------------
     def _act(self, a) -> bool:
@@ -132,6 +147,8 @@ class ScheduledFetch(Fetch):
         try:
             if source is None:
                 raise EngineError(f"hub named source {source_name} without its address")
+            if not partial and self._begin_delta(chunk, source):
+                return
             holder, pairs = self._pairs(read, source)
             xfer = holder.engine.read(holder.peer, pairs, self.held.placed.device,
                                       remote_device=holder.described.device)
@@ -145,6 +162,31 @@ class ScheduledFetch(Fetch):
         self.inflight[chunk] = Reading(source_name, holder.engine, xfer, time.monotonic())
         self.publisher_read[chunk] = holder.described.rank >= 0
         holder.engine.when_over(xfer, lambda state, c=chunk, x=xfer: self.q.put(("landed", c, x, state)))
+
+    def _begin_delta(self, chunk: int, source: p.Source) -> bool:
+        """Start chunk's read as a delta if the hub gave it a base we hold it of; True if started."""
+        h = self.held
+        base = self.bases.get(chunk, -1)
+        if base < 0 or chunk in self.no_delta or chunk in h.placed.parts:
+            return False
+        old = self.ep.held_chunk(h.model, base, chunk)
+        into = h.placed.views[chunk]
+        if old is None or into is None or old.nbytes != into.nbytes:
+            return False
+        desc = self._peer(source).described
+        if self.deltas is None:
+            self.deltas = DeltaReads(ThreadPoolExecutor(max(1, self.window), thread_name_prefix="th-delta"))
+        ask = DeltaAsk(address=source.engine_meta.decode(), token=self.ep._token, model=h.model, version=h.version,
+                       base=base, index=chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0),
+                       timeout=self.read_timeout, source=self.ep.host)
+        xfer = self.deltas.start(ask, old, into)
+        with h.lock:
+            h.reading[chunk] = source.name
+        self.inflight[chunk] = Reading(source.name, self.deltas, xfer, time.monotonic())
+        self.publisher_read[chunk] = desc.rank >= 0
+        self.stats["delta_reads"] += 1
+        self.deltas.when_over(xfer, lambda state, c=chunk, x=xfer: self.q.put(("landed", c, x, state)))
+        return True
 
     def _stop_read(self, chunk: int) -> None:
         reading = self.inflight.pop(chunk, None)
@@ -230,6 +272,7 @@ class ScheduledFetch(Fetch):
                 for r in planned.reads:
                     if r.chunk not in h.held and r.chunk not in h.passed:
                         h.reading.setdefault(r.chunk, r.source)
+            self.bases.update((r.chunk, r.base) for r in planned.reads)
             return core.Answer([(r.chunk, r.source, r.ready, r.partial) for r in planned.reads], planned.complete)
         if kind == "refused":
             return core.Refused(item[1])
@@ -244,6 +287,19 @@ class ScheduledFetch(Fetch):
                 return None  # a read given up on already (its Stop handles it)
             if reading is not None:
                 self._finish(chunk)
+            if reading is not None and reading.engine is self.deltas:
+                if state == "failed":  # read it in full, from the same source, without the hub
+                    self._warn(reading.source, f"delta of chunk {chunk} from {reading.source} failed "
+                                               f"({xfer.error}); reading it in full")
+                    self.stats["delta_failed"] += 1
+                    self.no_delta.add(chunk)
+                    self._begin(chunk, reading.source, False)
+                    return None
+                self.by_delta.add(chunk)
+                self.stats["delta_wire_bytes"] += xfer.wire_bytes
+                self.stats["delta_full"] += xfer.full
+            else:
+                self.by_delta.discard(chunk)
             if state == "failed":
                 if reading is not None:
                     self.peers.pop(reading.source, None)
@@ -255,6 +311,8 @@ class ScheduledFetch(Fetch):
             chunk = item[1]
             verifying = self.verifying.pop(chunk)
             if not verifying.digest.result():
+                if chunk in self.by_delta:
+                    self.no_delta.add(chunk)
                 self._warn(verifying.source, f"chunk {chunk} from {verifying.source} failed its checksum; re-planning it")
                 self.stats["corrupt"] += 1
                 self._unread(chunk)

@@ -85,10 +85,17 @@ class Await(msgspec.Struct, tag="await"):
     timeout_s: float
 
 
+class ReadDelta(msgspec.Struct, tag="delta"):
+    model: str
+    version: int
+    base: int  # the version the reader holds the chunk of
+    index: int  # the chunk's index in the holder's ``Described.addrs``
+
+
 class Ask(msgspec.Struct):
     v: int
     token: str
-    op: Union[Describe, ReadRanges, ReadBytes, Await]
+    op: Union[Describe, ReadRanges, ReadBytes, Await, ReadDelta]
 
 
 class Described(msgspec.Struct, tag="described"):
@@ -103,6 +110,11 @@ class Bytes(msgspec.Struct, tag="bytes"):
     nbytes: int
 
 
+class DeltaBytes(msgspec.Struct, tag="deltabytes"):
+    nbytes: int
+    full: bool  # the chunk itself, not a delta (a delta would not have been smaller)
+
+
 class Have(msgspec.Struct, tag="have"):
     chunks: bytes  # the asked chunks held (little-endian bitmask); empty: none within the wait
 
@@ -113,7 +125,7 @@ class Refused(msgspec.Struct, tag="refused"):
 
 
 class Answer(msgspec.Struct):
-    body: Union[Described, Bytes, Have, Refused]
+    body: Union[Described, Bytes, Have, DeltaBytes, Refused]
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -231,3 +243,30 @@ def await_chunks(address: str, token: str, model: str, version: int, mask: int, 
     if have & ~mask:
         raise PeerError(f"holder at {address} answered await of {model}@{version} with chunks not asked")
     return have
+
+
+def read_delta(address: str, token: str, model: str, version: int, base: int, index: int, nbytes: int,
+               timeout: float, source: Optional[str] = None) -> tuple[bytearray, bool]:
+    """Chunk ``index`` of ``model@version`` from the holder at ``address`` as a delta
+    against ``model@base`` (``ReadDelta``): ``(payload, full)``, ``full`` when the holder
+    sent the chunk itself. ``nbytes``: the chunk's size, a payload's ceiling. ``timeout``
+    bounds the connect and each send and receive. Raises ``PeerError`` on refusal,
+    silence, or an answer that does not fit the chunk."""
+    ask = ReadDelta(model=model, version=version, base=base, index=index)
+    with dial(address, timeout, source) as sock:
+        try:
+            sock.sendall(frame(Ask(v=WIRE_VERSION, token=token, op=ask)))
+            body = recv_answer(sock).body
+            if isinstance(body, Refused):
+                raise PeerError(f"holder at {address} refused a delta of {model}@{version} chunk {index} "
+                                f"against @{base}: {body.code}: {body.message}")
+            if not isinstance(body, DeltaBytes):
+                raise PeerError(f"holder at {address} answered a delta ask with {type(body).__name__}")
+            if body.nbytes > nbytes or (body.full and body.nbytes != nbytes):
+                raise PeerError(f"holder at {address} sent {body.nbytes} bytes for a delta of a "
+                                f"{nbytes}-byte chunk (full={body.full})")
+            payload = bytearray(body.nbytes)
+            recv_exact(sock, memoryview(payload))
+        except OSError as exc:
+            raise PeerError(f"holder at {address} did not answer a delta of {model}@{version}: {exc}") from None
+    return payload, body.full

@@ -16,6 +16,7 @@ import time
 import zmq
 
 from .service import HubService
+from .deltas import MODES
 from .retention import Policy
 from .machine import Hub, HubConfig
 
@@ -26,8 +27,17 @@ def hub_config(args) -> HubConfig:
         model, _, rule = item.partition("=")
         keep, _, least = rule.partition(":")
         policies[model] = Policy(keep_latest=int(keep), min_reliable_copies=int(least))
+    deltas, default = {}, "remote"
+    for item in args.deltas:
+        model, _, mode = item.rpartition("=")
+        if mode not in MODES:
+            raise SystemExit(f"hub: --deltas {item!r}: the mode must be one of {', '.join(MODES)}")
+        if model:
+            deltas[model] = mode
+        else:
+            default = mode
     return HubConfig(cluster=args.cluster, expiry_s=args.expiry_s, round_timeout_s=args.round_timeout_s,
-                     planner=args.planner, policies=policies)
+                     planner=args.planner, policies=policies, deltas=deltas, default_deltas=default)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retain", action="append", default=[], metavar="MODEL=KEEP:MIN",
                     help="retention policy of a model: keep_latest and min_reliable_copies")
     ap.add_argument("--planner", choices=("ros", "star"), default="ros")
+    ap.add_argument("--deltas", action="append", default=[], metavar="[MODEL=]MODE",
+                    help="reads sent as deltas: off, remote (across DC links; the default) or all; "
+                         "MODEL= sets one model's (the spec's models[].deltas)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(levelname)s %(message)s")
     with open(args.token_file, encoding="utf-8") as f:

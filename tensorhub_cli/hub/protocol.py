@@ -102,6 +102,9 @@ class Read(Msg):
     # A scheduled read (``Plan.schedule``) whose source will hold the chunk but does
     # not yet: wait for the source's notice (``wire.Await``), then read.
     ready: bool = True
+    # >= 0: ask the source for the chunk as a delta against this older version, whose
+    # chunk both ends hold (``hub.deltas``, ``wire.ReadDelta``); -1: the chunk itself.
+    base: int = -1
 
 
 class Holding(Msg):
@@ -153,6 +156,11 @@ class Resolve(Msg, tag="resolve"):
     model: str
     version: Optional[int] = None  # None: latest READY
     group: Optional[str] = None
+    # Versions the caller holds, by number, with their ``manifest_digest``: when the
+    # answer is one of them the hub leaves ``Resolved.shards`` empty (the caller has
+    # them). A reader asking for ``latest`` again and again (a rollout waiting for the
+    # next version) then costs bytes, not a manifest per ask.
+    known: dict[int, int] = {}
 
 
 class Plan(Msg, tag="plan"):
@@ -314,7 +322,7 @@ class Resolved(Msg, tag="resolved"):
     model: str
     version: int
     world: int
-    shards: list[Manifest]
+    shards: list[Manifest]  # empty when ``Resolve.known`` named this very version
     round: int = 0
 
 

@@ -18,6 +18,7 @@ import zlib
 from ..planner import LEVELS, REMOTE, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
 from . import scheduling
+from .deltas import Bases
 from .draining import drop_old, settle
 from .faults import HubFault
 from .publishing import index
@@ -89,8 +90,10 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     # Reads restored after a hub restart whose source has not re-registered stay
     # pinned but unlisted: the reader finishes or fails them on its own.
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
+    base = Bases(hub, v, op.name)
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout), ready=_ready(v, s, c))
+        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout), ready=_ready(v, s, c),
+                      base=-1 if op.layout else base(s, c))
                for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,

@@ -5,6 +5,8 @@ is withdrawing whole (``th unpublish``, ``commands.withdraw``) no longer resolve
 ``not_found`` by number and never ``latest``. A reader that names
 a ``group`` resolves ``latest`` inside that group's open round (``groups.Round``), so
 every member gets the same version even when a newer one becomes READY mid-round.
+The answer carries the version's manifests unless the reader said it holds that very
+version (``Resolve.known``: number and manifest digest).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
         if v.number in withdrawn_numbers(hub).get(op.model, ()):
             raise HubFault("not_found", f"{v.model}@{v.number} is being withdrawn (th unpublish)")
         require_ready(v, now < hub.grace_until)
-        return _resolved(v, 0)
+        return _resolved(v, 0, op.known)
     if op.group is None:
-        return _resolved(latest(hub, op.model), 0)
+        return _resolved(latest(hub, op.model), 0, op.known)
     key = (op.model, op.group)
     rnd = hub.rounds.get(key)
     if rnd is not None:
@@ -47,7 +49,7 @@ def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
     v = hub.models[op.model][rnd.version]
     require_ready(v, now < hub.grace_until)
     rnd.resolved.add(op.name)
-    return _resolved(v, rnd.number)
+    return _resolved(v, rnd.number, op.known)
 
 
 def latest(hub: HubState, model: str) -> Version:
@@ -74,5 +76,8 @@ def require_ready(v: Version, rebuilding: bool = False) -> None:
         raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
 
 
-def _resolved(v: Version, rnd: int) -> p.Resolved:
-    return p.Resolved(model=v.model, version=v.number, world=v.world, shards=v.manifests(), round=rnd)
+def _resolved(v: Version, rnd: int, known: dict[int, int]) -> p.Resolved:
+    """The answer; without the manifests when the reader holds this very version (the
+    same number and manifest digest: a number published again is another version)."""
+    shards = [] if known.get(v.number) == v.digest else v.manifests()
+    return p.Resolved(model=v.model, version=v.number, world=v.world, shards=shards, round=rnd)

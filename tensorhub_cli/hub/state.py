@@ -41,6 +41,10 @@ class HubConfig:
     # one), so the reader whose report comes with its next plan cannot take every
     # freed read.
     max_reads_per_source: int = 4
+    # Reads sent as deltas against an older version both ends hold (``hub.deltas``):
+    # per model "off", "remote" (across DC links) or "all"; others get the default.
+    deltas: dict[str, str] = field(default_factory=dict)
+    default_deltas: str = "remote"
 
 
 @dataclass

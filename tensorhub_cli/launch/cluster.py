@@ -96,6 +96,7 @@ def hub_args(spec: ClusterSpec, state: ClusterState, launcher, token: str) -> li
         args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
     for m in spec.models:
         args += ["--retain", f"{m.name}={m.retain.keep_latest}:{m.retain.min_reliable_copies}"]
+        args += ["--deltas", f"{m.name}={m.deltas}"]
     return args
 
 

@@ -191,6 +191,9 @@ class ModelSpec(Strict):
     name: Name
     chunk_mb: float = Field(default=16.0, gt=0, le=4096)
     retain: RetainSpec = Field(default_factory=RetainSpec)
+    deltas: Literal["off", "remote", "all"] = Field(
+        default="remote", description="reads sent as deltas against a version both ends hold: "
+        "remote (across DC links), all (every read) or off")
 
 
 class EndpointsSpec(Strict):

@@ -9,11 +9,21 @@ pytestmark = pytest.mark.integration
 
 
 def test_cross_dc_sends_one_copy_per_version_across_and_the_baseline_one_per_remote_load():
-    # Big enough (21 MB) that the remote rollouts fetch each version at the same time.
-    knobs = rl.Knobs(steps=2, rollouts=3, hidden=256, layers=4, step_s=2.0, rollout_s=0.05, timeout_s=180)
+    # Big enough (10 MB of bf16) that the remote rollouts fetch each version at the same
+    # time; bf16 weights from float32 master weights at an RL-like rate, so the copy that
+    # crosses for version 2 is deltas against version 1 (and a third arm runs without).
+    knobs = rl.Knobs(steps=2, rollouts=3, hidden=256, layers=4, step_s=2.0, rollout_s=0.05, timeout_s=180,
+                     dtype="bfloat16", lr=1e-5, deltas=True)
     result = rl.run("cross-dc", knobs)
-    ours, base = result["ours"], result["baseline"]
+    ours, base, full = result["ours"], result["baseline"], result["ours_full"]
+    # (each rollout's probe recomputed from the bf16 weights it read equals the trainer's)
     assert result["probe_mismatches"] == 0
+    second = ours["by_version"]["2"]
+    assert second["remote_loads"] == 3 and second["delta_failed"] == 0, second
+    # one crossing, by the far DC's feeders: as deltas, a small share of the version
+    assert second["delta_reads"] > 0 and 0 < second["delta_wire_bytes"] < 0.25 * ours["version_bytes"], second
+    assert full["by_version"]["2"]["delta_reads"] == 0 and base["by_version"]["2"]["delta_reads"] == 0
+    assert result["delta"]["versions"] == ["2"] and result["delta"]["delta_failed"] == 0
     assert ours["version_bytes"] > 0 and ours["remote_versions"] >= 1
     # Contract 8: across a DC link one copy per version, however many remote readers.
     assert ours["remote_copies"] == ours["remote_versions"], ours

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.integration
 TOKEN = "t" * 32
 
 
-def start_hub(token_file, address: str, expiry_s: float = 1.0) -> tuple[subprocess.Popen, HubClient]:
+def start_hub(token_file, address: str, expiry_s: float = 1.0, *extra: str) -> tuple[subprocess.Popen, HubClient]:
     proc = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.hub", "--bind", address,
-                             "--token-file", str(token_file), "--expiry-s", str(expiry_s)],
+                             "--token-file", str(token_file), "--expiry-s", str(expiry_s), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_hub(address, TOKEN, timeout=15, alive=lambda: proc.poll() is None)

@@ -29,6 +29,25 @@ def make(seed: int, mib: float, small: int = 6) -> dict[str, torch.Tensor]:
     return sd
 
 
+def stepped(seed: int, mib: float, step: int, share: float) -> dict[str, torch.Tensor]:
+    """``make(seed, mib)`` after ``step`` training-like steps: each flips the lowest
+    mantissa bit of about ``share`` of every weight's elements (what a small update does
+    to most changed elements), so consecutive steps differ sparsely (deltas)."""
+    sd = make(seed, mib)
+    for k in range(1, step + 1):
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        for t in sd.values():
+            if t.dtype == torch.float32:
+                t.view(torch.int32).bitwise_xor_((torch.rand(t.shape, generator=g) < share).to(torch.int32))
+    return sd
+
+
+def _tensors(c: dict) -> dict[str, torch.Tensor]:
+    if "step" in c:
+        return stepped(c["seed"], c["mib"], c["step"], c.get("share", 0.02))
+    return make(c["seed"], c["mib"])
+
+
 def main() -> int:
     ap = arguments()
     ap.add_argument("--cluster", default=None)
@@ -56,11 +75,11 @@ def main() -> int:
 def handle(ep, tensors: dict, op: str, c: dict) -> dict:
     key = (c.get("model"), c.get("version"))
     if op == "publish":
-        sd = tensors[key] = make(c["seed"], c["mib"])
+        sd = tensors[key] = _tensors(c)
         m = ep.publish(c["model"], c["version"], sd, chunk_bytes=int(c.get("chunk_mib", 4) * 2**20))
         return {"chunks": len(m.chunks)}
     if op == "fetch":
-        want = make(c["seed"], c["mib"])
+        want = _tensors(c)
         dst = {k: torch.zeros_like(v) for k, v in want.items()}
         before = {k: v.clone() for k, v in dst.items()}
         try:

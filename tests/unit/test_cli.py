@@ -224,3 +224,15 @@ def test_install_metadata_has_no_deprecated_license_table(monkeypatch):
         dist = apply_configuration(Distribution(), REPO / "pyproject.toml")
     assert [str(w.message) for w in caught if "license" in str(w.message).lower()] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "rl", "--workload", "cross-dc", "--wan-mbit", "100"], "--wan-mbit is the testbed's DC link rate"),
+    (["bench", "rl", "--workload", "standalone", "--testbed", "--wan-mbit", "100"], "needs --testbed and --workload cross-dc"),
+    (["bench", "rl", "--workload", "elastic", "--deltas"], "--deltas compares deltas across DCs"),
+    (["bench", "rl", "--dtype", "float16"], "--dtype must be float32 or bfloat16"),
+])
+def test_bench_rl_refuses_delta_flags_that_cannot_apply_naming_them(argv, says):
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert says in result.output.replace("\n", " "), result.output

@@ -709,3 +709,15 @@ def test_a_plan_with_want_plans_pins_and_completes_only_those_chunks():
     assert hub.models["policy"][1].replicas["r"].held == 1 << 1 | 1 << 4  # partial: the rest is not ours
     everything = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8))  # no want: every chunk
     assert sorted(r.chunk for r in everything.reads) == [0, 2, 3, 5] and not everything.complete
+
+
+def test_resolve_leaves_out_the_manifests_of_the_very_version_the_reader_holds():
+    hub = new_hub()
+    reg(hub, 0.0, info("t0"), info("r"))
+    hub.publish(0.0, p.Publish(name="t0", model="m", version=1, manifest=manifest(3), rank=0, world=1))
+    digest = p.manifest_digest(1, [manifest(3)])
+    assert hub.resolve(0.0, p.Resolve(name="r", model="m")).shards == [manifest(3)]
+    assert hub.resolve(0.0, p.Resolve(name="r", model="m", known={1: digest})).shards == []
+    # another manifest under the same number (published again), or another number: sent
+    assert hub.resolve(0.0, p.Resolve(name="r", model="m", known={1: digest ^ 1})).shards == [manifest(3)]
+    assert hub.resolve(0.0, p.Resolve(name="r", model="m", known={2: digest})).shards == [manifest(3)]

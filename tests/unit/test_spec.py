@@ -80,6 +80,7 @@ BAD = [
     ("chunk-negative", lambda d: set_in(d, ("models", 0, "chunk_mb"), -4), "models[0].chunk_mb", "greater than 0"),
     ("min-copies-negative", lambda d: set_in(d, ("models", 0, "retain", "min_reliable_copies"), -1), "models[0].retain.min_reliable_copies", "greater than or equal to 0"),
     ("keep-latest-zero", lambda d: set_in(d, ("models", 0, "retain", "keep_latest"), 0), "models[0].retain.keep_latest", "greater than or equal to 1"),
+    ("deltas-unknown", lambda d: set_in(d, ("models", 0, "deltas"), "wan"), "models[0].deltas", "'off', 'remote' or 'all'"),
     ("dup-model", lambda d: d["models"].append(copy.deepcopy(d["models"][0])), "models[1].name", "duplicate model name"),
     ("token-and-file", lambda d: set_in(d, ("auth",), {"token": "x" * 20, "token_file": "t"}), "auth", "not both"),
     ("token-short", lambda d: set_in(d, ("auth",), {"token": "short"}), "auth.token", "at least 16"),
