@@ -1,13 +1,13 @@
 """What the agent does on the hub's commands: the handler its endpoint runs.
 
-Protocol (on the endpoint's command workers: ``retain`` and ``release`` one at a time
+Protocol (on the endpoint's command workers: ``retain`` and ``discard`` one at a time
 on one, ``fetch`` and ``load`` one at a time on the other; each outcome but
-``release``'s goes back to the hub as a ``Report``):
+``discard``'s goes back to the hub as a ``Report``):
 
 - ``retain``: fetch ``model@version`` into host memory from the agent's store
   (``agent.store``: files in /dev/shm that outlive the process) and hold it, so an
   unpublish elsewhere cannot drop a retained version below its copies (contract 4).
-  The copy stays until the hub releases it or the agent leaves; once the fetch
+  The copy stays until the hub discards it or the agent leaves; once the fetch
   verified every chunk it is marked complete in the store, so a restarted agent
   offers it again. A failed fetch leaves no files.
 - ``fetch`` (``th sync``): the same, asked by an operator (into what ``accept_sync``
@@ -17,7 +17,7 @@ on one, ``fetch`` and ``load`` one at a time on the other; each outcome but
   index's shards or one ``model.safetensors``, by HF names) into store memory and
   publish it as ``model@version`` (``chunk_bytes``, else the endpoint's chunk size);
   complete in the store once the hub took the manifest.
-- ``release``: the hub forgot that version: drop our copy at once, no drain, and its
+- ``discard``: the hub forgot that version: drop our copy at once, no drain, and its
   files (unless a fetch still fills that version: it owns them until it ends).
 
 Without a store (``store=None``) copies are plain process memory (``layout.allocate``)
@@ -55,8 +55,8 @@ class AgentCommands:
             carry_out(ep, cmd, lambda: self.load(ep, cmd), timeout=self.report_timeout)
         elif cmd.action in ("retain", "fetch"):
             carry_out(ep, cmd, lambda: self.fetch_into(ep, cmd), timeout=self.report_timeout)
-        elif cmd.action == "release":
-            self.release(ep, cmd)
+        elif cmd.action == "discard":
+            self.discard(ep, cmd)
         elif cmd.action == "unpublish":  # `th unpublish`: drained, then the files go too
             self.sync(ep, cmd)
             self.drop_files(ep, cmd)
@@ -87,8 +87,8 @@ class AgentCommands:
             self.store.complete(cmd.model, cmd.version)
         return f"{ep.last_fetch['bytes']} bytes"
 
-    def release(self, ep, cmd: p.Command) -> None:
-        ep.release(cmd.model, cmd.version)
+    def discard(self, ep, cmd: p.Command) -> None:
+        ep.discard(cmd.model, cmd.version)
         self.drop_files(ep, cmd)
 
     def drop_files(self, ep, cmd: p.Command) -> None:

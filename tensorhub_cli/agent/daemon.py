@@ -10,7 +10,7 @@ after a hub restart (contract 7): the hub rebuilds those versions from them (a
 version it forgot comes back READY; one whose manifest differs is refused). Once
 registered it asks the hub which of them it took, and drops the others (logged by
 name). The endpoint library then heartbeats and re-registers with its holdings after
-a hub restart; the hub's commands (retain, fetch, load, release) run through
+a hub restart; the hub's commands (retain, fetch, load, discard) run through
 ``AgentCommands`` (``agent.commands``), which makes its copies in the store.
 
 A restarted agent registers once its dead predecessor expired at the hub (a live
@@ -81,7 +81,7 @@ class AgentEndpoint(Endpoint):
 
 def confirm(ep: AgentEndpoint, store: Store, copies: list[Copy], timeout: float) -> None:
     """Drop each re-adopted copy the hub did not take (its manifest conflicts with the
-    version the hub knows, or the engine refused it): nobody would ever release it."""
+    version the hub knows, or the engine refused it): nobody would ever discard it."""
     for c in copies:
         try:
             listed = ep.versions(c.model, timeout=timeout)
@@ -100,7 +100,7 @@ def confirm(ep: AgentEndpoint, store: Store, copies: list[Copy], timeout: float)
             continue
         log.warning("dropped re-adopted copy %s@%s: the hub did not take it (its manifest differs from the "
                     "version the hub knows, or the version was dropped)", c.model, c.version)
-        ep.release(c.model, c.version)
+        ep.discard(c.model, c.version)
         store.remove(c.model, c.version)
 
 

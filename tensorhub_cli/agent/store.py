@@ -28,7 +28,7 @@ order, so that a copy is adopted only when every step happened:
 fingerprint) or whose bytes do not match its manifest chunk for chunk; it returns the
 others as ``Copy``s, each placed and verified, ready to be registered as held. Each
 re-adopted and each dropped copy is logged by name. ``remove`` deletes one copy (a
-``release``), ``clear`` all of them and the directory (a clean exit).
+``discard``), ``clear`` all of them and the directory (a clean exit).
 
 Threads: the agent's two command workers and its main thread call in; the set of
 copies in use is kept under a lock, so two fetches of one version never share (or
@@ -270,7 +270,7 @@ class Store:
         published with that manifest): from now on the copy survives a restart."""
         d = self.path(model, version)
         with self._lock:  # (small writes: a ``remove`` meanwhile waits, then deletes them too)
-            if (model, version) not in self._live:  # a release removed it meanwhile: not ours to keep
+            if (model, version) not in self._live:  # a discard removed it meanwhile: not ours to keep
                 log.warning("%s@%s was removed from the store while being made; not kept", model, version)
                 return
             if shards is not None:

@@ -71,13 +71,15 @@ def bench_hub(as_json: bool = JsonOpt,
                   "the same mix against the hub in this process on a fixed schedule, no sockets: "
                   "repeatable hub CPU figures and a digest of every plan, for A/B of hub changes")),
               protocol: str = typer.Option("schedule", metavar="schedule|window", help=(
-                  "--replay: readers ask for a schedule (one plan each), or a window at a time")),
+                  "readers ask for a schedule (one plan each, then reports), or a window at a time")),
               timeout: float = TimeoutOpt,
               profile: Optional[Path] = typer.Option(None, metavar="FILE",
                                                      help="write a cProfile of the hub process here")) -> None:
     """Real hub on one core under N simulated endpoints: plan latency and control ops/s."""
     if planner not in ("ros", "star"):
         fail(f"th bench hub: --planner must be ros or star, got {planner!r}", 2)
+    if protocol not in ("schedule", "window"):
+        fail(f"th bench hub: --protocol must be schedule or window, got {protocol!r}", 2)
     if replay:
         if depth is not None:
             fail("th bench hub: --depth does not apply to --replay (it answers one request at a time)", 2)
@@ -88,7 +90,7 @@ def bench_hub(as_json: bool = JsonOpt,
         step(f"bench hub: {endpoints} endpoints, {tensors}-tensor manifests, hub pinned to one core …", err)
     try:
         result = hub_bench.run(endpoints=endpoints, tensors=tensors, chunk_mb=chunk_mb, depth=depth or 64,
-                               planner=planner, timeout_s=timeout, profile=profile, window=window)
+                               planner=planner, timeout_s=timeout, profile=profile, window=window, protocol=protocol)
     except hub_bench.BenchError as exc:
         fail(f"th bench hub: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))

@@ -39,7 +39,7 @@ def _pinned(cpus: set[int]):
 
 
 def run(endpoints: int = 1000, tensors: int = 1000, chunk_mb: int = 64, depth: int = 64, planner: str = "ros",
-        timeout_s: float = 600.0, profile: Path | None = None, window: int = 32) -> dict:
+        timeout_s: float = 600.0, profile: Path | None = None, window: int = 32, protocol: str = "schedule") -> dict:
     cpus = sorted(os.sched_getaffinity(0))
     hub_cpus, load_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(), set())
     with tempfile.TemporaryDirectory(prefix="th-bench-hub-") as tmp:
@@ -58,7 +58,7 @@ def run(endpoints: int = 1000, tensors: int = 1000, chunk_mb: int = 64, depth: i
                 [sys.executable, "-m", "tensorhub_cli.bench.hubload", "--address", address, "--token-file",
                  str(token_file), "--hub-pid", str(hub.pid), "--endpoints", str(endpoints), "--tensors",
                  str(tensors), "--chunk-mb", str(chunk_mb), "--depth", str(depth), "--timeout-s", str(timeout_s),
-                 "--window", str(window)],
+                 "--window", str(window), "--protocol", protocol],
                 capture_output=True, text=True, timeout=timeout_s + 60, preexec_fn=_pinned(load_cpus))
         except HubUnreachable as exc:
             hub_log.seek(0)

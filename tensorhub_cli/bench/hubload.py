@@ -15,6 +15,16 @@ Phases, each a real exchange with the hub, nothing skipped or faked:
    flight, so a plan's round trip is its service time plus one loopback hop, not
    queueing behind other requests. Every endpoint now holds the whole of v1.
 
+``--protocol schedule`` (the default, as real readers do): each reader asks for its
+schedule (``Plan.schedule``) and reports inside its next plan, as ``endpoint.reader``
+does: a batch of max(8, n/4) chunks (never more: reads here end at once, a real
+reader's over time), the last ones, or what it has after 2 ms idle. A
+read is done once its source holds the chunk: the trainer from the start, a reader once
+it reported it. A read scheduled onto a parent that does not hold the chunk yet waits
+for that parent's report, here in the generator, as a reader waits on its parent's
+notice: no hub round trip. A reader with nothing outstanding asks again after 2 ms.
+``window``: the windowed loop (plan for ``window`` reads, report them all, plan again).
+
 Prints one JSON object on stdout. The hub's CPU time over each phase (user + system,
 from psutil: ``hub_cpu_s``, one version's whole wave, and ``hub_cpu_util``) tells
 whether the hub or this generator was the limit, and what a version cost the hub.
@@ -114,6 +124,14 @@ class Reader:
     report: list[int] = field(default_factory=list)
     step: str = "resolve"  # resolve → plan ⇄ progress → done
     not_before: float = 0.0  # a reader told to wait (its DC's seed is filling) polls again later
+    # schedule: reads outstanding (chunk -> source), those whose source holds the chunk,
+    # what this reader holds, which answer it is on, and whether only a parent can wake it
+    outstanding: dict[int, str] = field(default_factory=dict)
+    doable: list[int] = field(default_factory=list)
+    held: set[int] = field(default_factory=set)
+    gen: int = 0
+    blocked: bool = False
+    batch: int = 8
 
 
 @dataclass
@@ -126,12 +144,67 @@ class Wave:
     errors: dict[str, int] = field(default_factory=dict)
 
 
+class Schedules:
+    """The schedule protocol's readers between hub answers: which read waits on which
+    parent's report, and who may report (``Reader.report``) or ask again now."""
+
+    IDLE_S = 0.002
+
+    def __init__(self, readers: dict[str, Reader], trainer: str, ready: deque, parked: deque):
+        self.readers, self.trainer, self.ready, self.parked = readers, trainer, ready, parked
+        self.waits: dict[tuple[str, int], list[tuple[Reader, int]]] = {}
+
+    def answered(self, r: Reader, reads: list[p.Read], now: float) -> None:
+        r.gen += 1
+        r.outstanding, r.doable = {}, []
+        for x in reads:
+            r.outstanding[x.chunk] = x.source
+            if x.source == self.trainer or x.chunk in self.readers[x.source].held:
+                r.doable.append(x.chunk)
+            else:
+                self.waits.setdefault((x.source, x.chunk), []).append((r, r.gen))
+        self._next(r, now)
+
+    def woken(self, now: float) -> None:
+        while self.parked and self.parked[0].not_before <= now:
+            r = self.parked.popleft()
+            if r.doable or not r.outstanding:
+                self._report(r, now)
+            else:
+                r.blocked = True
+
+    def _next(self, r: Reader, now: float) -> None:
+        if r.doable and (len(r.doable) >= r.batch or len(r.doable) == len(r.outstanding)):
+            self._report(r, now)
+        elif r.doable or not r.outstanding:
+            r.not_before = now + self.IDLE_S
+            self.parked.append(r)
+        else:
+            r.blocked = True
+
+    def _report(self, r: Reader, now: float) -> None:
+        # At most a batch: a real reader's reads end over time, so it reports batch by batch.
+        r.report, r.doable = r.doable[:r.batch], r.doable[r.batch:]
+        for c in r.report:
+            del r.outstanding[c]
+        r.held.update(r.report)
+        self.ready.append(r)
+        for c in r.report:
+            for w, gen in self.waits.pop((r.name, c), ()):
+                if gen == w.gen and c in w.outstanding:
+                    w.doable.append(c)
+                    if w.blocked:
+                        w.blocked = False
+                        self._next(w, now)
+
+
 def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout_s: float,
-             window: int = 32) -> tuple[Wave, float]:
+             window: int = 32, schedule: bool = False, nchunks: int = 0) -> tuple[Wave, float]:
     wave = Wave()
-    readers = {n: Reader(n) for n in names[1:]}
+    readers = {n: Reader(n, batch=max(8, nchunks // 4)) for n in names[1:]}
     ready = deque(readers.values())
     parked: deque[Reader] = deque()
+    sched = Schedules(readers, names[0], ready, parked)
     inflight: dict[int, tuple[Reader | None, str, float]] = {}
     beats: deque[str] = deque()
     next_beat_round = time.monotonic()
@@ -141,6 +214,8 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
         now = time.monotonic()
         if now - start > timeout_s:
             raise TimeoutError(f"wave not done after {timeout_s}s: {done}/{len(readers)} readers complete")
+        if schedule:
+            sched.woken(now)
         while parked and parked[0].not_before <= now:
             ready.append(parked.popleft())
         while len(inflight) < depth:
@@ -155,6 +230,9 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
             r = ready.popleft()
             if r.step == "resolve":
                 op: p.Op = p.Resolve(name=r.name, model=MODEL)
+            elif r.step == "plan" and schedule:
+                op = p.Plan(name=r.name, model=MODEL, version=r.version, chunks=r.report, schedule=True)
+                r.report = []
             elif r.step == "plan":
                 op = p.Plan(name=r.name, model=MODEL, version=r.version, window=window)
             else:
@@ -176,6 +254,14 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
             elif step == "resolve":
                 r.version, r.step = body.version, "plan"
                 ready.append(r)
+            elif step == "plan" and schedule:
+                wave.plans += 1
+                if body.complete:
+                    r.step = "done"
+                    done += 1
+                else:
+                    wave.waits += not body.reads
+                    sched.answered(r, body.reads, time.monotonic())
             elif step == "plan":
                 wave.plans += 1
                 if body.complete:
@@ -210,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--depth", type=int, default=64)
-    ap.add_argument("--window", type=int, default=32, help="reads a reader asks for per plan")
+    ap.add_argument("--window", type=int, default=32, help="reads a reader asks for per plan (window)")
+    ap.add_argument("--protocol", choices=("schedule", "window"), default="schedule")
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -232,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         rids.discard(reply.rid)
     register_s = time.monotonic() - t0
 
-    result: dict = {"endpoints": args.endpoints, "tensors": args.tensors, "window": args.window}
+    result: dict = {"endpoints": args.endpoints, "tensors": args.tensors, "window": args.window,
+                    "protocol": args.protocol}
     for number, phase, depth in ((1, "throughput", args.depth), (2, "latency", 1)):
         m = manifest(args.tensors, args.chunk_mb, rng)
         hub.call(p.Publish(name=names[0], model=MODEL, version=number, manifest=m))
         c0 = cpu_seconds(args.hub_pid)
-        wave, elapsed = run_wave(hub, names, depth, args.heartbeat_s, args.timeout_s, args.window)
+        wave, elapsed = run_wave(hub, names, depth, args.heartbeat_s, args.timeout_s, args.window,
+                                 schedule=args.protocol == "schedule", nchunks=len(m.chunks))
         hub_cpu = cpu_seconds(args.hub_pid) - c0
         result[phase] = {
             "depth": depth, "chunks": len(m.chunks), "seconds": round(elapsed, 3), "replies": wave.replies,

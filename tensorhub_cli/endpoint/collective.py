@@ -52,7 +52,7 @@ from ..hub.client import HubClient
 from . import checks, fetching, streams, waiting
 from .fetch import Fetch
 from .scheduled import ScheduledFetch
-from .replica import Held
+from .replica import Replica
 
 GATHER_BYTES = 256 << 20  # per batch, all members together: bounds the gather buffers
 REPORT_CHUNKS = 1024  # chunk ids per Progress report
@@ -130,7 +130,7 @@ class Member:
 
     ep: object
     comm: coll.Collective
-    held: Optional[Held] = None
+    held: Optional[Replica] = None
     fresh: bool = False  # registered by this fetch (a failure drops it)
     have: set[int] = field(default_factory=set)  # chunks verified in our memory
     job: Optional[Fetch] = None
@@ -302,7 +302,7 @@ def _gather(me: Member, gather_bytes: int) -> list[int]:
                 failed = exc
     if failed is not None:
         raise failed
-    _settle_checks(me, checking, bad, block=True)
+    _collect_checks(me, checking, bad, block=True)
     return bad
 
 
@@ -319,10 +319,10 @@ def _take(me: Member, batch: Batch, got: dict, sizes: list[int], checking: dict,
                 received.append(c)
             at += sizes[c]
     device = me.comm.device
-    streams.settle({me.held.placed.device, (device.index or 0) if device.type == "cuda" else -1}, None)
+    streams.caught_up({me.held.placed.device, (device.index or 0) if device.type == "cuda" else -1}, None)
     for c in received:
         checking[c] = me.ep.verifiers.submit(me.held.placed.checksum, c)
-    _settle_checks(me, checking, bad, block=False)
+    _collect_checks(me, checking, bad, block=False)
 
 
 def _pack(buf: torch.Tensor, views: list) -> None:
@@ -332,7 +332,7 @@ def _pack(buf: torch.Tensor, views: list) -> None:
         at += v.nbytes
 
 
-def _settle_checks(me: Member, checking: dict, bad: list[int], *, block: bool) -> None:
+def _collect_checks(me: Member, checking: dict, bad: list[int], *, block: bool) -> None:
     """Chunks whose checksum is in: the good ones become held (scattered into their
     tensors, then reported to the hub), the others go to ``bad``."""
     if block and checking:

@@ -1,15 +1,15 @@
 """Hub commands on an endpoint: the hook, and the handler an endpoint has by default.
 
 Protocol. The hub pushes ``Command``s: ``fetch`` (``th sync``) and ``unpublish`` (``th
-unpublish``) to any endpoint; ``retain``, ``load`` and ``release`` to agents only. The endpoint's service thread
+unpublish``) to any endpoint; ``retain``, ``load`` and ``discard`` to agents only. The endpoint's service thread
 queues them, and two worker threads call the endpoint's handler,
-``handler(ep, cmd)``: one with each ``retain`` and ``release`` in turn, the other with
+``handler(ep, cmd)``: one with each ``retain`` and ``discard`` in turn, the other with
 each other command in turn (``Endpoint(..., on_command=handler)``; given at
 construction because the hub may push a command the moment we register). So a handler
 may run on both at once, and must be safe to. In it the handler may:
 
 - call any of ``ep``'s methods but ``close`` (``fetch``, ``publish``, ``unpublish``,
-  ``release``, ``report``): it is one more thread using the endpoint, beside the
+  ``discard``, ``report``): it is one more thread using the endpoint, beside the
   caller's own;
 - take as long as it needs: heartbeats go on on the service thread, but the next
   command of its worker waits for this one (a retention pull never waits for a fetch);
@@ -17,7 +17,7 @@ may run on both at once, and must be safe to. In it the handler may:
   is how ``th sync`` learns it. An exception it raises is logged and dropped.
 
 ``SyncCommands`` is the default handler: ``fetch`` into what ``ep.accept_sync`` named
-for the model (so a trainer or rollout can take part in ``th sync``), ``release``
+for the model (so a trainer or rollout can take part in ``th sync``), ``discard``
 drops the replica without a drain, ``unpublish`` unpublishes it with drain (the hub
 already drains it for the operator; this lets the memory go once it is acknowledged;
 only a failure is reported, as ``unpublish_failed``), except a shard a runner published
@@ -56,7 +56,7 @@ def carry_out(ep, cmd: p.Command, act: Callable[[], str], *, timeout: Optional[f
 class SyncCommands:
     """``fetch`` into accepted memory (else into ``fallback(shards)`` if given), within
     ``fetch_timeout`` seconds (default 600: a whole model over a slow link);
-    ``release`` drops the replica; anything else is reported failed."""
+    ``discard`` drops the replica; anything else is reported failed."""
 
     def __init__(self, *, fallback: Optional[Callable] = None, fetch_timeout: float = 600.0,
                  report_timeout: Optional[float] = None, unpublish_timeout: Optional[float] = None):
@@ -68,8 +68,8 @@ class SyncCommands:
         self.unpublish_timeout = unpublish_timeout
 
     def __call__(self, ep, cmd: p.Command) -> None:
-        if cmd.action == "release":  # the hub forgot it: no drain to wait for, no report
-            ep.release(cmd.model, cmd.version)
+        if cmd.action == "discard":  # the hub forgot it: no drain to wait for, no report
+            ep.discard(cmd.model, cmd.version)
         elif cmd.action == "fetch":
             carry_out(ep, cmd, lambda: self.fetch_into(ep, cmd), timeout=self.report_timeout)
         elif cmd.action == "unpublish":

@@ -18,10 +18,10 @@ from typing import Callable, Optional
 
 from .. import delta
 from ..engines import wire
-from .replica import Held
+from .replica import Replica
 
 
-def answer(replica: Callable[[tuple[str, int]], Optional[Held]], ask: wire.ReadDelta
+def answer(replica: Callable[[tuple[str, int]], Optional[Replica]], ask: wire.ReadDelta
            ) -> tuple[wire.DeltaBytes | wire.Refused, bytes]:
     what = f"{ask.model}@{ask.version} chunk {ask.index} against @{ask.base}"
     if ask.base >= ask.version:
@@ -44,7 +44,7 @@ def answer(replica: Callable[[tuple[str, int]], Optional[Held]], ask: wire.ReadD
     return wire.DeltaBytes(nbytes=len(payload), full=False), payload
 
 
-def whole(held: Optional[Held], index: int):
+def whole(held: Optional[Replica], index: int):
     """The chunk at ``index`` of ``held``'s memory when it holds that chunk whole and
     verified (a publisher: every chunk of its shard), else None."""
     if held is None or held.dropped or not 0 <= index < len(held.placed.views):

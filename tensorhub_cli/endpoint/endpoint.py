@@ -21,7 +21,7 @@ Protocol (per method, what the caller may do once it returns):
   owns the memory again.
 - ``verify(model, version, into)`` → problems (empty: ``into`` is byte for byte the
   version, re-hashed against the manifest). Reads only; changes nothing.
-- ``release(model, version)``: drops the replica without a drain (the hub forgot it
+- ``discard(model, version)``: drops the replica without a drain (the hub forgot it
   already) and deregisters its memory; the caller owns the memory again.
 - ``report(cmd, kind, message)``: tells the hub how a command went (best effort).
 - ``close()``: unpublishes everything and waits for reads a failed fetch left running
@@ -78,7 +78,7 @@ from .errors import EndpointError
 from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
-from .replica import Held
+from .replica import Replica
 from .service import Service
 from .zombies import Zombies
 
@@ -109,7 +109,7 @@ class Endpoint:
         reg_cache_bytes = cap_bytes(reg_cache_bytes)  # (checked before an engine exists to leak)
         self.engine, self.tcp = choice.make(engine, info.name, token, host, conn_idle_s)
         self._registrations = Registrations(self.engine, reg_cache_bytes)
-        self._replicas: dict[tuple[str, int], Held] = {}
+        self._replicas: dict[tuple[str, int], Replica] = {}
         self._lock = threading.Lock()
         self._claims: set[tuple[str, int]] = set()  # versions a fetch is setting up (``fetching.claim``)
         self._claiming = threading.Condition()
@@ -129,7 +129,7 @@ class Endpoint:
         # transfers that could not be released yet (contract 3: they stay pinned)
         self.zombies = Zombies(self.name, self.incarnation, self._replicas.get, call_timeout_s,
                                hub_call=self._call_once, drain_timeout_s=drain_timeout_s,
-                               let_go=self._registrations.release)
+                               let_go=self._registrations.give_back)
         self._hub = hub
         # One hub socket per calling thread, used only by it: a thread waiting for a
         # deferred reply (an unpublish's drain, minutes) holds up no other thread's
@@ -187,7 +187,7 @@ class Endpoint:
             self._local.client = client
         return client
 
-    def _held(self) -> list[Held]:
+    def _held(self) -> list[Replica]:
         """The replicas now (the fetch loop, the command workers and the caller change them)."""
         with self._lock:
             return list(self._replicas.values())
@@ -234,27 +234,27 @@ class Endpoint:
             regs = self.__dict__["_registrations"] = Registrations(self.engine)
         return regs
 
-    def _add(self, held: Held) -> None:
+    def _add(self, held: Replica) -> None:
         with self._lock:
             if held.key in self._replicas:  # two threads registering one version (a retain and a sync)
-                self.registrations.release(held.reg)
+                self.registrations.give_back(held.reg)
                 raise EndpointError(f"{self.name} already holds {held.model}@{held.version}")
             self._replicas[held.key] = held
         self.served.add(id(held), held.placed.regions, owner=held.placed)
 
-    def _drop(self, held: Held, *, registration: str = "release") -> None:
-        """Let the replica go: no longer served; its registration ``release``d to the
+    def _drop(self, held: Replica, *, registration: str = "give_back") -> None:
+        """Let the replica go: no longer served; its registration given back (``give_back``) to the
         cache, ``drop``ped (deregistered now: the memory is the caller's for good), or
         ``keep``: zombies own it (``zombies``: reads may still write there)."""
         with self._lock:
             self._replicas.pop(held.key, None)
         held.gone()  # (an ``Await`` for its chunks is answered now: it would never be)
         self.served.remove(id(held))
-        streams.drained(held.written)  # scatters still reading its staging end before it is reused or freed
+        streams.passed(held.written)  # scatters still reading its staging end before it is reused or freed
         if registration == "drop":
             self.registrations.drop(held.reg)
-        elif registration == "release":
-            self.registrations.release(held.reg)
+        elif registration == "give_back":
+            self.registrations.give_back(held.reg)
 
     def _check_tier(self, placed, what: str) -> None:
         """The hub plans and retains by our tier: GPU tensors under a host tier (or the
@@ -265,14 +265,14 @@ class Endpoint:
                               f"{self.info.tier!r}; connect with device='{where if placed.device >= 0 else 'cpu'}'")
 
     def _register(self, model: str, version: int, world: int, shards, rank: int, placed, owned=None,
-                  fill: bool = False) -> Held:
+                  fill: bool = False) -> Replica:
         """A replica over ``placed``, its memory registered (or a registration reused:
         ``registrations``; ``owned``: the caller's tensors, ``fill``: copy the layout's
         staging bytes over when reusing, see ``Registrations.acquire``)."""
         if (model, version) in self._replicas:
             raise EndpointError(f"{self.name} already holds {model}@{version}")
         reg = self.registrations.acquire(model, placed, owned, fill=fill)
-        return Held(model=model, version=version, world=world, shards=shards, rank=rank, placed=placed,
+        return Replica(model=model, version=version, world=world, shards=shards, rank=rank, placed=placed,
                     handle=reg.handle, reg=reg)
 
     # --- the API ---------------------------------------------------------------------
@@ -316,7 +316,7 @@ class Endpoint:
                               resolve_timeout=resolve_timeout)
 
     def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
-        """The service thread's beat: release zombies that let go (``Zombies.reap``)."""
+        """The service thread's beat: reap zombies whose reads ended (``Zombies.reap``)."""
         self.zombies.reap(call)
 
     def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
@@ -367,17 +367,17 @@ class Endpoint:
                               "publishers'; it was verified tile by tile as it was fetched")
         return verify(held.shards, into)
 
-    def release(self, model: str, version: int) -> None:
+    def discard(self, model: str, version: int) -> None:
         """Drop our replica of ``model@version`` at once, without a drain: for a version
-        the hub already forgot (its ``release`` command). No-op if we hold none, or only
-        a fetch in progress holds it: its reads may still write there (a ``release``
+        the hub already forgot (its ``discard`` command). No-op if we hold none, or only
+        a fetch in progress holds it: its reads may still write there (a ``discard``
         runs beside a ``th sync`` fetch), and that fetch lets it go when it fails.
         Its memory is deregistered at once (not kept for reuse: ``registrations``)."""
         held = self._replicas.get((model, version))
         if held is None:
             return
         if not held.complete:
-            log.info("%s: release of %s@%s left to the fetch still filling it", self.name, model, version)
+            log.info("%s: discard of %s@%s left to the fetch still filling it", self.name, model, version)
             return
         self._drop(held, registration="drop")  # (agents free that memory next: no registration outlives it)
 

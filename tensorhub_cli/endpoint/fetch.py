@@ -8,14 +8,14 @@ Protocol (one ``Fetch`` per replica being filled, on the caller's thread):
 
 1. Ask the hub for a ``Plan``: every read outstanding for us, old and new, up to the
    window (a reader of another layout asks only for the chunks its boxes touch,
-   ``Held.want``, and names its layout). Reads we are not running yet start at once,
+   ``Replica.want``, and names its layout). Reads we are not running yet start at once,
    one engine read per chunk, straight into the destination memory, or, for a chunk
    we need only part of, one read of the tiles we need (a descriptor per row of
    strips: ``layout.overlap``), or of a same-layout holder's tiles as they lie. A read the hub no longer lists (its source
    expired, so the hub re-planned the chunk) is abandoned for the new one.
 2. Poll the reads. A finished chunk is checksum-verified (contract 5), on a verifier
    thread so hashing overlaps the next reads, before it counts:
-   a match makes us a holder of it (of a chunk read in part: ``partial``, held for
+   a match makes us a holder of it (of a chunk read in part: ``tiled``, held for
    readers of our layout only, and scattered into the destination); a mismatch, an engine failure or a read older than
    ``read_timeout`` goes back to the hub as failed, and the hub re-plans it elsewhere.
    A read given up while its transfer is pending (timed out; re-planned by the hub)
@@ -58,7 +58,7 @@ from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
 from . import streams
 from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
-from .replica import Held
+from .replica import Replica
 
 log = logging.getLogger("tensorhub.fetch")
 
@@ -71,7 +71,7 @@ REFILL_MIN_S, REFILL_MAX_S = 0.005, 0.08
 
 
 class Fetch:
-    def __init__(self, ep, held: Held, deadline: float, window: int, *, read_timeout: float,
+    def __init__(self, ep, held: Replica, deadline: float, window: int, *, read_timeout: float,
                  plan_timeout: float, describe_timeout: float, report_s: float = 0.05):
         self.ep = ep
         self.held = held
@@ -85,7 +85,7 @@ class Fetch:
         self.verifying: dict[int, Verifying] = {}
         self.stopping: dict[int, Stopping] = {}
         self.done: list[int] = []
-        self.partial: list[int] = []  # verified, read in part (another layout): reported, not held
+        self.tiled: list[int] = []  # verified, read in part (another layout): reported, not held
         self.failed: list[p.Read] = []
         self.first_result = 0.0
         self.peers: dict[str, Holder] = {}  # by the hub's name for the holder
@@ -139,7 +139,7 @@ class Fetch:
             if self.ep.service.fenced:  # a replaced process must not complete reads the hub gave away
                 raise FetchError(self.ep.service.fenced)
             busy = len(self.inflight) + len(self.verifying) + len(self.stopping)
-            results = len(self.done) + len(self.failed) + len(self.partial)
+            results = len(self.done) + len(self.failed) + len(self.tiled)
             # Report (with the next plan) once half the window has results, so reads
             # keep flowing, and never sit on a result longer than report_s.
             if results and (2 * results >= self.window or now - self.first_result >= self.report_s or not busy):
@@ -194,9 +194,9 @@ class Fetch:
         h = self.held
         op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
                     chunks=self.done, failed=self.failed, incarnation=self.ep.incarnation, want=h.want(),
-                    partial=self.partial, layout=h.placed.layout)
-        only_failures = self.failed and not self.done and not self.partial
-        self.done, self.failed, self.partial = [], [], []
+                    tiled=self.tiled, layout=h.placed.layout)
+        only_failures = self.failed and not self.done and not self.tiled
+        self.done, self.failed, self.tiled = [], [], []
         # Reads that only fail (a dying source the hub has not expired yet, the last
         # holder of a chunk turning out corrupt) are retried with backoff, not in a hot
         # loop against the hub and the source.
@@ -245,7 +245,7 @@ class Fetch:
 
     def _pairs(self, read: p.Read, source: p.Source) -> tuple[Holder, list[Pair]]:
         """The holder of ``read`` (described once) and the descriptors that read it:
-        the whole chunk, or (``read.partial``) a same-layout holder's tiles as they lie,
+        the whole chunk, or (``read.tiled``) a same-layout holder's tiles as they lie,
         or, for a chunk we need only part of, one descriptor per row of strips."""
         h = self.held
         holder = self._peer(source)
@@ -254,9 +254,9 @@ class Fetch:
         if not 0 <= i < len(desc.addrs):
             raise EngineError(f"{read.source} has no memory for chunk {read.chunk}")
         tiled = h.placed.parts.get(read.chunk)
-        if read.partial and tiled is None:
+        if read.tiled and tiled is None:
             raise EngineError(f"{read.source} holds only tiles of chunk {read.chunk}, and we need it whole")
-        if tiled is None or read.partial:
+        if tiled is None or read.tiled:
             view = h.placed.views[read.chunk]
             return holder, [Pair(desc.addrs[i], view.data_ptr(), view.nbytes)]
         return holder, [Pair(desc.addrs[i] + at, v.data_ptr(), v.nbytes) for at, v in tiled.pairs]
@@ -332,16 +332,16 @@ class Fetch:
             if placed.finish(chunk):
                 # async copies: the caller's stream waits for them (streams)
                 self.held.written = streams.scattered(placed.device)
-            partial = chunk in placed.parts
+            in_part = chunk in placed.parts
             with self.held.lock:
-                (self.held.passed if partial else self.held.held).add(chunk)
+                (self.held.passed if in_part else self.held.held).add(chunk)
             nbytes = placed.read_bytes(chunk)
             self.stats["bytes"] += nbytes
             self.stats["reads"] += 1
             if self.publisher_read.pop(chunk, False):
                 self.stats["from_publishers"] += nbytes
             self._result()
-            (self.partial if partial else self.done).append(chunk)
+            (self.tiled if in_part else self.done).append(chunk)
         return progressed
 
     def _warn(self, source: str, message: str) -> None:
@@ -381,7 +381,7 @@ class Fetch:
         self.failed.append(p.Read(chunk=chunk, source=source))
 
     def _result(self) -> None:
-        if not self.done and not self.failed and not self.partial:
+        if not self.done and not self.failed and not self.tiled:
             self.first_result = time.monotonic()
 
     def stop(self, timeout: float = 5.0) -> list[Zombie]:
@@ -411,11 +411,11 @@ class Fetch:
         """After ``stop``: the reads that ended, as a report that unpins exactly them."""
         h = self.held
         failed = self.failed + [p.Read(chunk=c, source=v.source) for c, v in self.verifying.items()]
-        done, partial = list(self.done), list(self.partial)
+        done, tiled = list(self.done), list(self.tiled)
         asked = getattr(self, "asked", None)
         if asked is not None:  # its reply may never come: report what it carried again (idempotent)
             failed += asked.op.failed
             done += asked.op.chunks
-            partial += asked.op.partial
+            tiled += asked.op.tiled
         return p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed,
-                          incarnation=self.ep.incarnation, partial=partial, layout=h.placed.layout)
+                          incarnation=self.ep.incarnation, tiled=tiled, layout=h.placed.layout)

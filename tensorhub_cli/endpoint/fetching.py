@@ -38,7 +38,7 @@ from ..hub import protocol as p
 from . import checks, layouts, metrics, streams, waiting
 from .fetch import Fetch
 from .scheduled import ScheduledFetch
-from .replica import Held
+from .replica import Replica
 
 log = logging.getLogger("tensorhub.endpoint")
 
@@ -65,7 +65,7 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
         resolved = ask({}) if mine is None or mine.dropped else msgspec.structs.replace(resolved, shards=mine.shards)
     resolved_at = time.monotonic()
     with claim(ep, (model, resolved.version), deadline):
-        held = _settled(ep, (model, resolved.version), deadline)
+        held = _filled(ep, (model, resolved.version), deadline)
         if held is not None and held.complete and (
                 callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
                 <= {r.addr for r in held.placed.regions}):
@@ -96,7 +96,7 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
     return resolved.version
 
 
-def _settled(ep, key: tuple[str, int], deadline: float) -> Optional[Held]:
+def _filled(ep, key: tuple[str, int], deadline: float) -> Optional[Replica]:
     """Our replica of ``key`` once no other thread is filling it (its outcome is ours:
     a complete replica or none), or None."""
     held = ep._replicas.get(key)
@@ -106,7 +106,7 @@ def _settled(ep, key: tuple[str, int], deadline: float) -> Optional[Held]:
     return held
 
 
-def set_up(ep, resolved: p.Resolved, into, deadline: float, *, whole: bool = False) -> Held:
+def set_up(ep, resolved: p.Resolved, into, deadline: float, *, whole: bool = False) -> Replica:
     """Place ``into``, drain what of ours overlaps it, wait out the fences on it, then
     register and add the replica (step 3). ``whole``: refuse a destination in another
     layout than the publishers' (a collective stage shares whole chunks)."""
@@ -147,7 +147,7 @@ def claim(ep, key: tuple[str, int], deadline: float):
             ep._claiming.notify_all()
 
 
-def abort(ep, job: Fetch, held: Held) -> None:
+def abort(ep, job: Fetch, held: Replica) -> None:
     """A failed fetch leaves no replica (step 4 of the module)."""
     left = job.stop(timeout=ep.call_timeout_s)
     if left:
@@ -163,10 +163,10 @@ def abort(ep, job: Fetch, held: Held) -> None:
     except (HubError, HubUnreachable) as exc:
         log.warning("%s after a failed fetch: %s", type(release).__name__, exc)
     _withdraw(ep, held)
-    ep._drop(held, registration="keep" if left else "release")
+    ep._drop(held, registration="keep" if left else "give_back")
 
 
-def _withdraw(ep, held: Held) -> None:
+def _withdraw(ep, held: Replica) -> None:
     """Unpublish the partial replica at the hub and wait for its drain: peers may be
     reading chunks it served. The wait lasts while the hub answers our heartbeats (it
     is draining, not gone), up to ``drain_timeout_s``; a hub that answers nothing is

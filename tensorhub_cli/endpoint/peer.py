@@ -3,8 +3,8 @@ its own thread, bound to the node's address, answering ``Describe`` from the end
 replicas, ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memory it
 serves (``engines.serve``, whatever the endpoint's engine), ``ReadDelta`` from two
 replicas (``deltas.answer``, on the loop's executor), and ``Await`` from the
-replica ``replica((model, version))`` finds: it awaits ``Held.await_held`` (woken by
-``Held.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
+replica ``replica((model, version))`` finds: it awaits ``Replica.await_held`` (woken by
+``Replica.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
 ``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``); a server
 built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
 closed after an ask refused for its frame or token (too large, malformed, auth; an
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from ..engines import wire
 from ..engines.serve import SEND_TIMEOUT_S, Regions, serve_read
 from . import deltas
-from .replica import Held
+from .replica import Replica
 
 log = logging.getLogger("tensorhub.peer")
 IDLE_S = 300.0
@@ -39,7 +39,7 @@ AWAIT_CAP_S = 30.0
 class PeerServer:
     def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
                  regions: Regions, *, idle_s: float = IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S,
-                 replica: Optional[Callable[[tuple[str, int]], Optional[Held]]] = None,
+                 replica: Optional[Callable[[tuple[str, int]], Optional[Replica]]] = None,
                  await_cap_s: float = AWAIT_CAP_S):
         self._token = token.encode()
         self._replica = replica

@@ -31,7 +31,7 @@ from ..hub import protocol as p
 from ..layout import lay_out
 from ..layout.tensors import device_of
 from . import checks, layouts, streams
-from .replica import Held
+from .replica import Replica
 
 log = logging.getLogger("tensorhub.endpoint")
 
@@ -48,7 +48,7 @@ def publish(ep, model: str, version: int, state_dict: dict, shard: Optional[tupl
     chunk_bytes = ep.chunk_bytes if chunk_bytes is None else checks.count(chunk_bytes, "chunk_bytes")
     timeout = checks.seconds(timeout, "timeout")
     ready = streams.events(ready)
-    streams.settle({device_of(t) for t in layouts.registered(state_dict) if hasattr(t, "is_cuda")}, ready)
+    streams.caught_up({device_of(t) for t in layouts.registered(state_dict) if hasattr(t, "is_cuda")}, ready)
     manifest, placed = lay_out(state_dict, chunk_bytes, ep.small_bytes)
     ep._check_tier(placed, "state_dict")
     busy = [h for h in ep._held() if h.overlaps(placed.regions)]
@@ -63,9 +63,9 @@ def publish(ep, model: str, version: int, state_dict: dict, shard: Optional[tupl
                         fill=True)
     try:
         if held.reg.staged:  # lay_out's copies into staging (or a reused buffer's) may still be queued
-            streams.settle([placed.device], None)
+            streams.caught_up([placed.device], None)
     except BaseException:
-        ep.registrations.release(held.reg)
+        ep.registrations.give_back(held.reg)
         raise
     ep._add(held)
     try:
@@ -83,7 +83,7 @@ def publish(ep, model: str, version: int, state_dict: dict, shard: Optional[tupl
     return manifest
 
 
-def withdraw(ep, held: Held, timeout: float, cause: BaseException) -> None:
+def withdraw(ep, held: Replica, timeout: float, cause: BaseException) -> None:
     """A publish whose reply did not come may still reach the hub (it is queued on
     this thread's socket), which would then route readers to our memory. Unpublish it
     there, on the same socket (so after the publish), within ``timeout``; the memory

@@ -42,7 +42,7 @@ WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING = (
 # --- events -------------------------------------------------------------------------
 @dataclass(slots=True)
 class Answer:
-    reads: list  # of (chunk, source, ready, partial)
+    reads: list  # of (chunk, source, ready, tiled)
     complete: bool = False
 
 
@@ -73,7 +73,7 @@ class Landed:
 class Checked:
     chunk: int
     ok: bool
-    partial: bool = False
+    tiled: bool = False  # verified in part (another layout): held as tiles, not whole
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class Stopped:
 class Ask:
     done: list[int]
     failed: list[tuple[int, str]]
-    partial: list[int]
+    tiled: list[int]
 
 
 @dataclass(slots=True)
@@ -99,7 +99,7 @@ class Await:
 class Start:
     chunk: int
     source: str
-    partial: bool = False
+    tiled: bool = False  # read the source's tiles as they lie (``Read.tiled``)
 
 
 @dataclass(slots=True)
@@ -140,7 +140,7 @@ class Reader:
     by: dict[str, set[int]] = field(default_factory=dict)  # state -> its chunks (the same table, indexed)
     source: dict[int, str] = field(default_factory=dict)
     since: dict[int, float] = field(default_factory=dict)  # when the chunk entered its state
-    partial: set[int] = field(default_factory=set)  # scheduled onto a holder's tiles
+    tiled: set[int] = field(default_factory=set)  # scheduled onto a holder's tiles
     done: list[int] = field(default_factory=list)  # verified, not reported yet
     passed: list[int] = field(default_factory=list)
     failed: list[tuple[int, str]] = field(default_factory=list)
@@ -218,7 +218,7 @@ class Reader:
                 return
             if not ev.ok:
                 self._fail(ev.chunk, now)
-            elif ev.partial:
+            elif ev.tiled:
                 self._set(ev.chunk, PASSED, now)
                 self.passed.append(ev.chunk)
             else:
@@ -231,7 +231,7 @@ class Reader:
     def _answer(self, now: float, reads, out: list) -> None:
         listed = set()
         unreported = {c for c, _ in self.failed}
-        for chunk, source, ready, partial in reads:
+        for chunk, source, ready, tiled in reads:
             listed.add(chunk)
             st = self.state.get(chunk)
             if st is None or st in (HELD, PASSED, VERIFYING, STOPPING) or chunk in unreported:
@@ -245,7 +245,7 @@ class Reader:
                 self.relays.add(source)
             moved = self.source.get(chunk) != source
             self.source[chunk] = source
-            (self.partial.add if partial else self.partial.discard)(chunk)
+            (self.tiled.add if tiled else self.tiled.discard)(chunk)
             if moved or st == WANTED:
                 self._set(chunk, READY if ready else WAITING, now)
             elif ready and st == WAITING:
@@ -282,7 +282,7 @@ class Reader:
             ready.remove(c)
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1
             self._set(c, READING, now)
-            out.append(Start(c, self.source[c], c in self.partial))
+            out.append(Start(c, self.source[c], c in self.tiled))
 
     def _await(self, out: list) -> None:
         want: dict[str, int] = {}

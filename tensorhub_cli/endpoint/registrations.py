@@ -2,8 +2,8 @@
 
 Protocol. ``acquire(model, placed, owned, fill)`` returns the ``Registration`` a new
 replica uses: an idle one over the same memory (nothing registered), else a fresh one
-(``engine.register``). ``release(reg)`` when the replica is let go after an unpublish;
-``drop(reg)`` when its memory goes back to the caller for good (``Endpoint.release``:
+(``engine.register``). ``give_back(reg)`` when the replica is let go after an unpublish;
+``drop(reg)`` when its memory goes back to the caller for good (``Endpoint.discard``:
 the hub forgot the version); ``close()`` deregisters everything.
 
 Same memory. Every region equal as (addr, nbytes, device), except the layout's own
@@ -21,7 +21,7 @@ When an unused (idle) registration is deregistered, whichever comes first:
    stays registered through one publish/fetch unused; memory a caller allocates
    afresh per version, as agents do, is let go at the next version);
 2. idle registrations hold more than ``cap_bytes`` (the endpoint's ``reg_cache_bytes``,
-   ``REG_CACHE_BYTES`` by default; the oldest go first; 0: every release deregisters);
+   ``REG_CACHE_BYTES`` by default; the oldest go first; 0: every give_back deregisters);
 3. an ``acquire`` over memory overlapping it that is not the same (a new registration
    never overlaps an idle one);
 4. its memory changed under it, as seen at the next ``acquire``: a storage it
@@ -222,7 +222,7 @@ class Registrations:
             placed.follow(new, ours)
             placed.regions[i] = Region(ours.data_ptr(), ours.nbytes, placed.regions[i].device)
 
-    def release(self, reg: Registration | None) -> None:
+    def give_back(self, reg: Registration | None) -> None:
         """One replica less uses ``reg``; unused, it stays registered (the module's rules)."""
         self._let_go(reg, keep=True)
 
@@ -241,7 +241,7 @@ class Registrations:
                 return
             del self._used[id(reg)]
             if not keep:
-                self._deregister(reg, "released")
+                self._deregister(reg, "dropped")
                 return
             self._idle[id(reg)] = reg
             idle = sum(r.nbytes for r in self._idle.values())

@@ -1,4 +1,5 @@
-"""What an endpoint holds of one version: its layout in our memory and its chunks.
+"""What an endpoint holds of one version: its layout in our memory and its chunks (the
+endpoint's record of its replica; the hub keeps its own, ``hub.registry.Replica``).
 
 ``handle`` is the engine's registration of ``placed.regions``, owned by ``reg`` (the
 endpoint's ``registrations`` cache entry; a replica gives it back when dropped, it is
@@ -29,7 +30,7 @@ from ..layout import Placed
 
 
 @dataclass
-class Held:
+class Replica:
     model: str
     version: int
     world: int
@@ -67,7 +68,7 @@ class Held:
             return p.Holding(model=self.model, version=self.version, world=self.world, shards=self.shards,
                              rank=self.rank, held=sorted(self.held),
                              reading=[p.Read(chunk=c, source=s) for c, s in sorted(self.reading.items())],
-                             partial=sorted(self.passed), layout=self.placed.layout if self.passed else "")
+                             tiled=sorted(self.passed), layout=self.placed.layout if self.passed else "")
 
     def described(self, engine) -> wire.Described:
         if self.description is None:
@@ -182,11 +183,11 @@ def _bits(mask: int) -> Iterable[int]:
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Optional[int]) -> None:
-    def settle() -> None:
+    def answer() -> None:
         if not fut.done():  # (the wait may have timed out meanwhile)
             fut.set_result(value)
 
     try:
-        loop.call_soon_threadsafe(settle)
+        loop.call_soon_threadsafe(answer)
     except RuntimeError:  # the loop is closed: its peer server ended, and the wait with it
         pass

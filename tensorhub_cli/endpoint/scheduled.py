@@ -114,7 +114,7 @@ class ScheduledFetch(Fetch):
         """Carry out one action; True once the fetch is done."""
         h = self.held
         if isinstance(a, core.Start):
-            self._begin(a.chunk, a.source, a.partial)
+            self._begin(a.chunk, a.source, a.tiled)
         elif isinstance(a, core.Verify):
             self.verifying[a.chunk] = Verifying(a.source, self.ep.verifiers.submit(
                 h.placed.check, a.chunk, h.expected(a.chunk)))
@@ -126,7 +126,7 @@ class ScheduledFetch(Fetch):
         elif isinstance(a, core.Ask):
             op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
                         chunks=list(a.done), failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
-                        incarnation=self.ep.incarnation, partial=list(a.partial), want=self._want(),
+                        incarnation=self.ep.incarnation, tiled=list(a.tiled), want=self._want(),
                         layout=h.placed.layout, schedule=True)
             self.asked = op
             self._hub.submit(self._plan, op)
@@ -141,13 +141,13 @@ class ScheduledFetch(Fetch):
             return self.held.want()
         return self.only.to_bytes(max(1, (self.only.bit_length() + 7) // 8), "little")
 
-    def _begin(self, chunk: int, source_name: str, partial: bool) -> None:
+    def _begin(self, chunk: int, source_name: str, tiled: bool) -> None:
         source = self.sources.get(source_name)
-        read = p.Read(chunk=chunk, source=source_name, partial=partial)
+        read = p.Read(chunk=chunk, source=source_name, tiled=tiled)
         try:
             if source is None:
                 raise EngineError(f"hub named source {source_name} without its address")
-            if not partial and self._begin_delta(chunk, source):
+            if not tiled and self._begin_delta(chunk, source):
                 return
             holder, pairs = self._pairs(read, source)
             xfer = holder.engine.read(holder.peer, pairs, self.held.placed.device,
@@ -273,7 +273,7 @@ class ScheduledFetch(Fetch):
                     if r.chunk not in h.held and r.chunk not in h.passed:
                         h.reading.setdefault(r.chunk, r.source)
             self.bases.update((r.chunk, r.base) for r in planned.reads)
-            return core.Answer([(r.chunk, r.source, r.ready, r.partial) for r in planned.reads], planned.complete)
+            return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in planned.reads], planned.complete)
         if kind == "refused":
             return core.Refused(item[1])
         if kind == "noticed":
@@ -335,8 +335,8 @@ class ScheduledFetch(Fetch):
         placed = h.placed
         if placed.finish(chunk):
             h.written = streams.scattered(placed.device)
-        partial = chunk in placed.parts
-        if partial:
+        tiled = chunk in placed.parts
+        if tiled:
             with h.lock:
                 h.passed.add(chunk)
                 h.reading.pop(chunk, None)
@@ -349,7 +349,7 @@ class ScheduledFetch(Fetch):
         self.stats["reads"] += 1
         if self.publisher_read.pop(chunk, False):
             self.stats["from_publishers"] += nbytes
-        return partial
+        return tiled
 
     def _unread(self, chunk: int) -> None:
         with self.held.lock:
@@ -362,7 +362,7 @@ class ScheduledFetch(Fetch):
         h = self.held
         c = getattr(self, "core", None)
         done = list(c.done) if c else []
-        partial = list(c.passed) if c else []
+        tiled = list(c.passed) if c else []
         failed = [p.Read(chunk=x, source=s) for x, s in (c.failed if c else [])]
         failed += [p.Read(chunk=x, source=v.source) for x, v in self.verifying.items()]
         failed += self.failed
@@ -372,6 +372,6 @@ class ScheduledFetch(Fetch):
         if self.asked is not None:
             done += self.asked.chunks
             failed += self.asked.failed
-            partial += self.asked.partial
+            tiled += self.asked.tiled
         return p.Progress(name=self.ep.name, model=h.model, version=h.version, chunks=done, failed=failed,
-                          incarnation=self.ep.incarnation, partial=partial, layout=h.placed.layout)
+                          incarnation=self.ep.incarnation, tiled=tiled, layout=h.placed.layout)

@@ -21,7 +21,7 @@ Between beats the thread waits on the hub socket for pushed ``Command``s in slic
 peers' reads to finish), 10 ms while we hold memory nobody asked about lately, 50 ms
 otherwise. Commands run on worker threads through the endpoint's command handler (see
 ``endpoint.commands``), so a long fetch never stalls heartbeats: ``retain`` and
-``release`` on one worker, every other command on another, each worker one command at
+``discard`` on one worker, every other command on another, each worker one command at
 a time in the order they came. A retention pull (which an unpublish elsewhere waits
 for, contract 4) thus never queues behind a ``th sync`` fetch of up to 600 s.
 
@@ -65,9 +65,9 @@ class Service:
         self.last_error: str | None = None
         self.fenced: str | None = None  # the hub's reason, once another process replaced us
         self.refused: p.Error | None = None  # a FINAL refusal: the thread stopped
-        self._settled = threading.Condition()  # notified when ``registered`` is set or ``refused``
+        self._registration_seen = threading.Condition()  # notified when ``registered`` is set or ``refused``
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # fetch, load
-        self.retention: queue.SimpleQueue = queue.SimpleQueue()  # retain, release
+        self.retention: queue.SimpleQueue = queue.SimpleQueue()  # retain, discard
         self._exit_lock = threading.Lock()
         self._exited = False  # the thread no longer touches the socket
         self._orphaned = False  # stop gave up waiting: the thread closes the socket on its way out
@@ -86,9 +86,9 @@ class Service:
         if not self.registered.is_set():
             self.client.call(p.Register(info=self.ep.info, holdings=self.ep.holdings()), timeout=timeout)
             self.registrations += 1
-            with self._settled:
+            with self._registration_seen:
                 self.registered.set()
-                self._settled.notify_all()
+                self._registration_seen.notify_all()
             return
         try:
             self.client.call(p.Heartbeat(name=self.ep.name, incarnation=self.ep.incarnation), timeout=timeout)
@@ -138,7 +138,7 @@ class Service:
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
                 cmd = self.client.pushed.popleft()
-                retention = getattr(cmd, "action", None) in ("retain", "release")
+                retention = getattr(cmd, "action", None) in ("retain", "discard")
                 (self.retention if retention else self.commands).put(cmd)
             if holding:
                 self.ep.engine.progress()
@@ -147,15 +147,15 @@ class Service:
         why = p.Error(code=exc.code, message=f"the hub at {self.client.address} refused {self.ep.name}: "
                                              f"{exc.error.message} (final: no retry can change it)")
         log.error("%s: %s", why.code, why.message)
-        with self._settled:
+        with self._registration_seen:
             self.refused = why
-            self._settled.notify_all()
+            self._registration_seen.notify_all()
 
     def wait_registered(self, timeout: float) -> bool:
         """True once registered within ``timeout``, False if not; raises the hub's
         ``HubError`` at once when it refused us for good (``refused``)."""
-        with self._settled:
-            self._settled.wait_for(lambda: self.registered.is_set() or self.refused is not None, timeout)
+        with self._registration_seen:
+            self._registration_seen.wait_for(lambda: self.registered.is_set() or self.refused is not None, timeout)
             if self.refused is not None:
                 raise HubError(self.refused)
             return self.registered.is_set()

@@ -3,7 +3,7 @@
 Protocol. Engines move bytes outside every CUDA stream (a NIXL/UCX transfer, a tcp
 read's copy), so stream order alone never orders them against kernels:
 
-- ``settle(devices, ready)``, before ``publish`` hashes and registers its tensors:
+- ``caught_up(devices, ready)``, before ``publish`` hashes and registers its tensors:
   with ``ready`` None, the current stream of each device the tensors live on is
   synchronized (every kernel the caller queued on it has run); with ``ready`` (a list
   of ``torch.cuda.Event``, ``events`` makes one), the host waits for those events
@@ -11,11 +11,11 @@ read's copy), so stream order alone never orders them against kernels:
   the publish's own async copies into its staging buffer, before readers are let in.
 - ``scattered(device)``, after each scatter of a fetch (a staged chunk reaches its
   tensors by async ``copy_`` on the fetch thread's current stream): an event recorded
-  on that stream, kept on the replica (``Held.written``), so the last one marks the
+  on that stream, kept on the replica (``Replica.written``), so the last one marks the
   last scatter. ``reached(device, event)``, before ``fetch`` returns (also one that
   found the version filled by another thread): the caller's current stream waits on
   it, so the scattered bytes are visible on it without blocking the host.
-  ``drained(event)`` blocks the host until it has passed: before a staging buffer is
+  ``passed(event)`` blocks the host until it has passed: before a staging buffer is
   written by an engine again or let go (the copies read it).
 
 Every call goes through the module-level hook ``_streams`` (``Streams``: torch's CUDA
@@ -90,7 +90,7 @@ def events(ready: object, what: str = "ready") -> Optional[list]:
     return items
 
 
-def settle(devices, ready: Optional[list]) -> None:
+def caught_up(devices, ready: Optional[list]) -> None:
     if ready is None:
         for device in sorted(devices):
             _streams.synchronize(device)
@@ -110,6 +110,6 @@ def reached(device: int, event: Optional[Any]) -> None:
         _streams.current_stream(device).wait_event(event)
 
 
-def drained(event: Optional[Any]) -> None:
+def passed(event: Optional[Any]) -> None:
     if event is not None:
         event.synchronize()

@@ -29,8 +29,8 @@ Protocol, per version (one ``Left`` record: what a failed fetch left of it):
   ``fenced()``: the registrations zombies still own (``close`` leaks them rather
   than deregister memory a read may write); ``idle()`` / ``pending()``.
 
-A version is *settled* (cancelled, maybe withdrawn) by one thread at a time
-(``Left.settling``), so two reapers never send one ``Cancel`` twice and a fetch never
+A version is *wound up* (cancelled, maybe withdrawn) by one thread at a time
+(``Left.winding_up``), so two reapers never send one ``Cancel`` twice and a fetch never
 registers between a reaper's ownership check and its ``Cancel``.
 
 Waits: ``Cancel`` takes ``call_timeout_s``; a withdrawal ``drain_timeout_s``;
@@ -59,13 +59,13 @@ Call = Callable[[p.Op, float], p.Body]
 @dataclass
 class Left:
     """What a failed fetch left of one version. ``reads`` non-empty: running (pinned,
-    origin's memory fenced); empty: stopped, ``Cancel`` due; ``settling``: a thread is
+    origin's memory fenced); empty: stopped, ``Cancel`` due; ``winding_up``: a thread is
     cancelling (or withdrawing) it now, and the record goes when it is done."""
 
     origin: object = None  # the replica record of the fetch that left them
     reads: list[Zombie] = field(default_factory=list)
     restored: bool = False  # a re-registration pinned them: the hub made a replica of ours
-    settling: bool = False
+    winding_up: bool = False
 
 
 class Zombies:
@@ -115,21 +115,21 @@ class Zombies:
                     left.reads = [z for z in left.reads if not z.engine.release(z.xfer)]
                     if not left.reads:
                         unfenced.append(left.origin)
-                if not left.reads and not left.settling:
-                    left.settling = True
+                if not left.reads and not left.winding_up:
+                    left.winding_up = True
                     ready.append(key)
         for origin in unfenced:
             self._unfence(origin)
         for key in ready:
-            self._settle(key, call, withdraw=True)
+            self._wind_up(key, call, withdraw=True)
 
     def _unfence(self, origin: object) -> None:
         reg = getattr(origin, "reg", None)
         if reg is not None:
             self.let_go(reg)
 
-    def _settle(self, key: Key, call: Call, *, withdraw: bool) -> None:
-        """Cancel ``key``'s stopped reads (we are its settling thread), then withdraw
+    def _wind_up(self, key: Key, call: Call, *, withdraw: bool) -> None:
+        """Cancel ``key``'s stopped reads (we are its winding-up thread), then withdraw
         our replica at the hub if only a re-registration made it; then forget ``key``."""
         model, version = key
         with self._lock:
@@ -141,7 +141,7 @@ class Zombies:
                      self.call_timeout_s)
             except HubUnreachable:
                 with self._lock:  # try again next beat
-                    left.settling = False
+                    left.winding_up = False
                 return
             except TensorHubError as exc:  # not_found: the version is gone, and its pins with it
                 log.debug("%s: cancel of stopped reads of %s@%s: %s", self.name, model, version, exc)
@@ -168,16 +168,16 @@ class Zombies:
                 self._left.pop(key, None)
 
     def wait_for(self, key: Optional[Key], regions, deadline: float, call: Call) -> None:
-        """Return once nothing of ``key`` is pinned or being settled and no zombie may
+        """Return once nothing of ``key`` is pinned or being wound up and no zombie may
         write into ``regions``; FetchError at ``deadline`` naming what is left."""
         while True:
             with self._lock:
                 left = self._left.get(key) if key is not None else None
-                mine = left is not None and not left.reads and not left.settling
+                mine = left is not None and not left.reads and not left.winding_up
                 if mine:
-                    left.settling = True
+                    left.winding_up = True
             if mine:  # our fetch takes the hub's replica over: no withdrawal
-                self._settle(key, call, withdraw=False)
+                self._wind_up(key, call, withdraw=False)
                 continue
             blocked = self._blocking(key, regions)
             if blocked is None:

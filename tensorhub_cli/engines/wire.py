@@ -27,7 +27,7 @@ a bad token is answered ``Refused`` and the connection closed. The asks:
   replica's ``held``; a publisher: every chunk of its shard), as soon as it holds at least
   one of them (at once if it already does), or an empty mask once ``timeout_s`` passed
   (the holder caps the wait: ``endpoint.peer.AWAIT_CAP_S``, 30 s). It never polls: its
-  replica wakes the wait when a chunk is marked held (``replica.Held.mark_held``). A
+  replica wakes the wait when a chunk is marked held (``replica.Replica.mark_held``). A
   holder without that version, or whose replica is dropped while the ask waits, answers
   ``Refused(not_found)`` naming it; an ask naming no chunk, a chunk past the version's
   last, or a ``timeout_s`` that is not a finite number >= 0 is ``Refused(bad_request)``

@@ -6,7 +6,7 @@ replica, the restart grace period over, and, when the replica's version is retai
 and would fall short of its policy, a host copy pulled by an agent first (or no agent
 left that could make one). ``settle`` also starts the retention pulls now needed, and
 ``drop_old`` forgets READY versions that fell out of ``keep_latest`` once nobody reads
-them, telling agents to release their copies.
+them, telling agents to discard their copies.
 
 An operator's withdrawal (``th unpublish``, ``commands.withdraw``) drains replicas the
 same way, started by the hub: ``settle`` marks each replica it targets draining (also
@@ -157,7 +157,7 @@ def drop_old(hub: HubState, model: str) -> None:
             for name in sorted(v.replicas):
                 ep = hub.endpoints.get(name)
                 if ep is not None and ep.info.kind == "agent":
-                    hub.queue(Send(endpoint=name, body=p.Command(action="release", model=model, version=number)))
+                    hub.queue(Send(endpoint=name, body=p.Command(action="discard", model=model, version=number)))
 
 
 # --- operators' withdrawals (th unpublish) --------------------------------------------

@@ -98,7 +98,7 @@ class Read(Msg):
     source: str
     # The source holds only the tiles of this chunk a reader of its own layout needs
     # (``Plan.layout``): read its staged tiles as they lie, not the chunk.
-    partial: bool = False
+    tiled: bool = False
     # A scheduled read (``Plan.schedule``) whose source will hold the chunk but does
     # not yet: wait for the source's notice (``wire.Await``), then read.
     ready: bool = True
@@ -117,9 +117,9 @@ class Holding(Msg):
     rank: int = -1  # >= 0: a publisher's shard; -1: a reader's (full manifest) replica
     held: list[int] = []  # global chunk ids (readers); publishers hold their whole shard
     reading: list[Read] = []  # reads in flight, so the rebuilt hub pins their sources again
-    # Chunks held in part (a reader of another layout: ``Plan.partial``) and that layout,
+    # Chunks held in part (a reader of another layout: ``Plan.tiled``) and that layout,
     # so a rebuilt hub serves those tiles to readers of the same layout again.
-    partial: list[int] = []
+    tiled: list[int] = []
     layout: str = ""
 
 
@@ -182,7 +182,7 @@ class Plan(Msg, tag="plan"):
     # them): unpinned at their source, and served only to readers of our ``layout``
     # (a hash of our boxes, layout.boxes.layout_id; "": the publisher's layout, whole
     # chunks), which need exactly those tiles.
-    partial: list[int] = []
+    tiled: list[int] = []
     layout: str = ""
     # A schedule, not a window: a read for every chunk still needed, from holders that
     # may not hold it yet (``Read.ready``); asked again only with progress or failures
@@ -197,7 +197,7 @@ class Progress(Msg, tag="progress"):
     chunks: list[int]  # verified (checksum matched): the reader now holds them
     failed: list[Read] = []  # reads that failed or arrived corrupt: unpinned, source avoided
     incarnation: str = ""
-    partial: list[int] = []  # read in part only (``Plan.partial``): unpinned, not held
+    tiled: list[int] = []  # read in part only (``Plan.tiled``): unpinned, not held
     layout: str = ""
 
 
@@ -344,11 +344,11 @@ class Command(Msg, tag="command"):
     """Hub → endpoint. ``retain`` (to an agent): pull ``model@version`` into host memory
     and hold it. ``fetch``: fetch it (``th sync``). ``load`` (to an agent): load the
     safetensors file at ``path`` and publish it as ``model@version`` (``th publish``).
-    ``release`` (to an agent): the hub forgot that version; free the copy of it.
+    ``discard`` (to an agent): the hub forgot that version; free the copy of it.
     ``unpublish`` (``th unpublish``, to any holder): the hub withdrew that version from
     us (our replica drains there already); unpublish it to let the memory go."""
 
-    action: Literal["retain", "fetch", "load", "release", "unpublish"]
+    action: Literal["retain", "fetch", "load", "discard", "unpublish"]
     model: str
     version: int
     path: str = ""

@@ -150,12 +150,12 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
     rep = v.replicas.setdefault(name, Replica(endpoint=name))
     v.respread(held & ~rep.held, hub.endpoints[name].place.dc)
     rep.held |= held
-    if h.partial and h.layout:  # tiles of our layout (contract 9): served to readers of it again
+    if h.tiled and h.layout:  # tiles of our layout (contract 9): served to readers of it again
         tiles = v.layouts.setdefault(h.layout, {})
-        for c in h.partial:
+        for c in h.tiled:
             if 0 <= c < v.nchunks:
                 tiles[name] = tiles.get(name, 0) | 1 << c
-    if held or h.partial:
+    if held or h.tiled:
         index(hub, v, name)
     for r in h.reading:
         # Pin even a source that has not re-registered yet: if it is alive and

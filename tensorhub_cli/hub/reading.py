@@ -5,7 +5,7 @@ and pins each planned read on its source (contract 3: a pinned source's drain wa
 for it). A ``Plan`` may carry the reader's progress since its last one, so a fetch is
 one round trip per cycle. ``progress`` turns verified chunks into held ones (the
 reader is a holder of them from then on) and failed reads into re-plans elsewhere
-(contract 5); chunks read in part by a reader of another layout (``partial``) become
+(contract 5); chunks read in part by a reader of another layout (``tiled``) become
 its tiles in ``Version.layouts``, planned to readers of that same layout only
 (``Reader.extra``) and never waited on as relays (quiet pins); ``cancel`` drops a reader's reads in flight. Reads onto a source that
 stopped heartbeating are dropped at the reader's next plan (contract 6).
@@ -34,9 +34,9 @@ _FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "byte
 
 def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     reader = hub.endpoint(op.name, op.incarnation)
-    if op.chunks or op.failed or op.partial:
+    if op.chunks or op.failed or op.tiled:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
-                                      failed=op.failed, partial=op.partial, layout=op.layout))
+                                      failed=op.failed, tiled=op.tiled, layout=op.layout))
     v = hub.version(op.model, op.version)
     require_ready(v, now < hub.grace_until)
     if op.name in v.draining:
@@ -92,7 +92,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
     base = Bases(hub, v, op.name)
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s, partial=_partial(v, s, c, op.layout), ready=_ready(v, s, c),
+        reads=[p.Read(chunk=c, source=s, tiled=_tiled(v, s, c, op.layout), ready=_ready(v, s, c),
                       base=-1 if op.layout else base(s, c))
                for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
@@ -106,7 +106,7 @@ def _ready(v: Version, source: str, chunk: int) -> bool:
     return rep is None or bool(rep.held >> chunk & 1) or any(t.get(source, 0) >> chunk & 1 for t in v.layouts.values())
 
 
-def _partial(v: Version, source: str, chunk: int, layout: str) -> bool:
+def _tiled(v: Version, source: str, chunk: int, layout: str) -> bool:
     """Planned onto ``source``'s tiles of the reader's layout, not a whole chunk."""
     rep = v.replicas.get(source)
     tiles = v.layouts.get(layout, {}).get(source, 0) if layout else 0
@@ -168,7 +168,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     v = hub.version(op.model, op.version)
     if not v.assembled:
         raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
-    bad = [c for c in (*op.chunks, *op.partial) if not 0 <= c < v.nchunks]
+    bad = [c for c in (*op.chunks, *op.tiled) if not 0 <= c < v.nchunks]
     if bad:
         raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
     if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
@@ -182,10 +182,10 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
         if rep.held == v.full:
             hub.asking.done(op.name)
         index(hub, v, op.name)
-    if op.partial:  # read in part (another layout): its tiles serve readers of that layout only
+    if op.tiled:  # read in part (another layout): its tiles serve readers of that layout only
         v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         tiles = v.layouts.setdefault(op.layout, {})
-        for c in op.partial:
+        for c in op.tiled:
             tiles[op.name] = tiles.get(op.name, 0) | 1 << c
             if c in v.reads.get(op.name, {}):
                 hub.unpin(v, op.name, c)

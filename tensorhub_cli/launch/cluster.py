@@ -466,10 +466,10 @@ def logs(name: str, state: ClusterState, node: str, lines: int, follow: bool, wr
 
 
 def _prefixed(write, label: str):
-    partial = [""]
+    unended = [""]  # the line begun, not yet ended
 
     def emit(text: str) -> None:
-        *done, partial[0] = (partial[0] + text).split("\n")
+        *done, unended[0] = (unended[0] + text).split("\n")
         for line in done:
             write(f"{label}: {line}\n")
 

@@ -14,7 +14,7 @@ Each needed chunk is read one of three ways:
 - **tiles**: the reader needs part of a chunk of whole rows: only the tiles its boxes
   touch are read (a row of strips is one descriptor per row; full-width row blocks one
   per block), each verified against the manifest's tile digest, then scattered
-  (``tiles``). The chunk is not held (``Plan.partial``): a reader never reads a whole
+  (``tiles``). The chunk is not held (``Plan.tiled``): a reader never reads a whole
   chunk to cut a slice out of it.
 
 Overlapping slots (``whole("W", a)`` beside ``tp("W", b, ...)``, or one tensor in two
@@ -88,7 +88,7 @@ def place_boxes(shards: list[p.Manifest], targets: list[Target]) -> Placed:
         _plan_shard(placed, reads, m, pieces[rank], slots, owner, first)
         first += len(m.chunks)
     # Readers of one layout id read the same tiles of the same chunks, staged alike: one
-    # serves another its staged tiles as they lie (``Read.partial``).
+    # serves another its staged tiles as they lie (``Read.tiled``).
     placed.layout = layout_id([(s.name, s.box) for ss in slots.values() for s in ss]
                               + [(f"tiled:{g}", Box((), ())) for g in reads.tiled])
     _stage(placed, reads, [meta for m in shards for meta in m.chunks], device)

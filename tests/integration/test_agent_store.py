@@ -1,6 +1,6 @@
 """A real hub and a real agent process: the agent's retained copy survives its
 ``kill -9`` in the store (/dev/shm files) and a restarted agent serves it again,
-bit for bit; a corrupted copy is dropped, a release and a clean exit delete files."""
+bit for bit; a corrupted copy is dropped, a discard and a clean exit delete files."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_a_corrupted_surviving_copy_is_dropped_not_served(rig):
         fetch(rig, "reader", timeout=5)
 
 
-def test_a_release_deletes_the_copys_files(rig):
+def test_a_discard_deletes_the_copys_files(rig):
     retained_by_the_agent(rig, 1)
     pub = rig.join("pub2")
     pub.publish("m", 2, weights(2), chunk_bytes=1 << 19)  # keep_latest 1: the hub forgets m@1, releasing it

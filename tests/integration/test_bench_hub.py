@@ -15,14 +15,16 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_bench_hub_prints_the_agreed_keys_and_every_reader_completes():
+@pytest.mark.parametrize("protocol", ["schedule", "window"])
+def test_bench_hub_prints_the_agreed_keys_and_every_reader_completes(protocol):
     proc = subprocess.run([sys.executable, "-m", "tensorhub_cli", "bench", "hub", "--json", "--endpoints", "24",
                            # (400 tensors: each phase costs the hub ~0.1 s, well over psutil's
                            # 10 ms CPU tick; at 40 a phase read 0.0 s on a loaded machine)
-                           "--tensors", "400", "--chunk-mb", "16", "--timeout", "60"],
+                           "--tensors", "400", "--chunk-mb", "16", "--timeout", "60", "--protocol", protocol],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
+    assert r["protocol"] == protocol
     assert {"endpoints", "plan_p50_ms", "plan_p99_ms", "ops_per_s"} <= set(r)
     assert r["endpoints"] == 24
     assert 0 < r["plan_p50_ms"] <= r["plan_p99_ms"] and r["ops_per_s"] > 0

@@ -202,7 +202,7 @@ class FakeAgent:
         self.held[(model, version)] = state_dict
         return lay_out(state_dict, chunk_bytes or (1 << 19))[0]
 
-    def release(self, model, version):
+    def discard(self, model, version):
         self.held.pop((model, version), None)
 
     info = p.EndpointInfo(name="agent-n1", node="n1", role="agent", kind="agent")
@@ -218,13 +218,13 @@ class FakeAgent:
         self.reports.append(kind)
 
 
-def test_agent_commands_keep_retained_copies_in_the_store_until_released(tmp_path, version):
+def test_agent_commands_keep_retained_copies_in_the_store_until_discarded(tmp_path, version):
     store = Store.open(tmp_path, TOKEN)
     ep, commands = FakeAgent(version), AgentCommands(store)
     commands(ep, p.Command(action="retain", model="m", version=1))
     assert ep.reports == ["retained"] and (store.path("m", 1) / "complete").exists()
     assert (store.path("m", 1) / "data").stat().st_size >= sum(t.nbytes for t in version[1].values())
-    commands(ep, p.Command(action="release", model="m", version=1))
+    commands(ep, p.Command(action="discard", model="m", version=1))
     assert ep.held == {} and not store.path("m", 1).exists()
 
 
@@ -282,19 +282,19 @@ def test_a_re_adopted_copy_the_hub_did_not_take_is_dropped(tmp_path, version, ca
 
         def __init__(self, holders):
             self.holders = holders
-            self.released: list = []
+            self.discarded: list = []
 
         def versions(self, model, *, timeout):
             return [p.VersionStatus(model=model, version=3, state="READY", chunks=1, nbytes=1, replicas=1,
                                     complete_replicas=1, holders=self.holders)]
 
-        def release(self, model, version):
-            self.released.append((model, version))
+        def discard(self, model, version):
+            self.discarded.append((model, version))
 
     took = Hub([p.HolderStatus(name="agent-n1", held_bytes=1, complete=True, reliable=True)])
     confirm(took, store, [copy], 1.0)
-    assert store.path("org/m", 3).exists() and not took.released
+    assert store.path("org/m", 3).exists() and not took.discarded
     refused = Hub([p.HolderStatus(name="pub", held_bytes=1, complete=True, reliable=True)])
     confirm(refused, store, [copy], 1.0)
-    assert refused.released == [("org/m", 3)] and not store.path("org/m", 3).exists()
+    assert refused.discarded == [("org/m", 3)] and not store.path("org/m", 3).exists()
     assert "dropped re-adopted copy org/m@3: the hub did not take it" in caplog.text

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorhub_cli.endpoint import collective, streams
-from tensorhub_cli.endpoint.replica import Held
+from tensorhub_cli.endpoint.replica import Replica
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.layout import lay_out, place
 
@@ -52,7 +52,7 @@ def member(log: list, *, device: int = -1) -> collective.Member:
     into = {k: torch.zeros_like(v) for k, v in source().items()}
     placed = place([manifest], into)
     placed.device = device  # (a CUDA destination's bookkeeping; the bytes stay on the host here)
-    held = Held(model="m", version=1, world=1, shards=[manifest], rank=-1, placed=placed, handle=None)
+    held = Replica(model="m", version=1, world=1, shards=[manifest], rank=-1, placed=placed, handle=None)
     pool = ThreadPoolExecutor(1)
     real_submit = pool.submit
     pool.submit = lambda fn, c: (log.append(("hash", c)), real_submit(fn, c))[1]

@@ -23,7 +23,7 @@ class FakeEndpoint:
         self.reports: list[tuple[str, str]] = []
         self.fetched: list[tuple[str, int, dict, float]] = []
         self.published: list[tuple[str, int, dict, int | None, float]] = []
-        self.released: list[tuple[str, int]] = []
+        self.discarded: list[tuple[str, int]] = []
         self.last_fetch = {"bytes": 0}
         self.manifest, _ = lay_out({"w": torch.arange(8, dtype=torch.float32)})
 
@@ -37,8 +37,8 @@ class FakeEndpoint:
     def publish(self, model, version, state_dict, *, chunk_bytes, timeout):
         self.published.append((model, version, state_dict, chunk_bytes, timeout))
 
-    def release(self, model, version):
-        self.released.append((model, version))
+    def discard(self, model, version):
+        self.discarded.append((model, version))
 
     def report(self, cmd, kind, message="", *, timeout=None):
         self.reports.append((kind, message))
@@ -63,12 +63,12 @@ def test_an_endpoint_that_accepts_no_sync_reports_the_fetch_failed():
     assert ep.reports == [("fetch_failed", "EndpointError: ep accepts no sync of 'policy' (no accept_sync)")]
 
 
-def test_release_drops_the_replica_without_a_report_and_agents_commands_are_refused():
+def test_discard_drops_the_replica_without_a_report_and_agents_commands_are_refused():
     ep = FakeEndpoint()
     handler = SyncCommands()
-    handler(ep, command("release"))
+    handler(ep, command("discard"))
     handler(ep, command("retain"))
-    assert ep.released == [("policy", 3)]
+    assert ep.discarded == [("policy", 3)]
     assert [kind for kind, _ in ep.reports] == ["retain_failed"]
 
 
@@ -115,7 +115,7 @@ def test_the_service_worker_runs_the_endpoints_handler_and_survives_its_exceptio
 
 
 @pytest.mark.parametrize("action", ["fetch", "retain", "load"])
-def test_a_report_goes_out_for_every_command_but_release(action):
+def test_a_report_goes_out_for_every_command_but_discard(action):
     ep = FakeEndpoint()
     AgentCommands()(ep, command(action, path="/nonexistent"))
     assert len(ep.reports) == 1

@@ -105,12 +105,12 @@ def test_a_retention_pull_never_waits_behind_a_long_sync_fetch():
         client.pushed.append(p.Command(action="fetch", model="m", version=1))
         assert fetching.wait(5)
         client.pushed.extend([p.Command(action="retain", model="m", version=2),
-                              p.Command(action="release", model="m", version=0),
+                              p.Command(action="discard", model="m", version=0),
                               p.Command(action="fetch", model="m", version=3)])
         deadline = time.monotonic() + 3
-        while seen[1:3] != ["retain", "release"] and time.monotonic() < deadline:
+        while seen[1:3] != ["retain", "discard"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert seen == ["fetch", "retain", "release"], seen  # the second fetch still waits its turn
+        assert seen == ["fetch", "retain", "discard"], seen  # the second fetch still waits its turn
     finally:
         done.set()
         service.stop(join_timeout=2, deregister_timeout=0.5)

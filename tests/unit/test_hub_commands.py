@@ -75,7 +75,7 @@ def test_reports_and_hub_events_are_kept_in_order_and_bounded():
         hub.report(2.0, p.Report(name="ghost", kind="fetched", model="m", version=1))
 
 
-def test_a_dropped_version_is_released_by_the_agents_that_hold_copies_of_it():
+def test_a_dropped_version_is_discarded_by_the_agents_that_hold_copies_of_it():
     hub = new_hub()  # keep_latest 2
     reg(hub, 0, info("pub"), info("agent-n2", node="n2", kind="agent"), info("r", node="n3"))
     for version in (1, 2):
@@ -86,7 +86,7 @@ def test_a_dropped_version_is_released_by_the_agents_that_hold_copies_of_it():
     hub.take_outbound()
     hub.publish(0, p.Publish(name="pub", model="m", version=3, manifest=manifest(2, salt=3)))
     assert 1 not in hub.models["m"]
-    released = [(s.endpoint, s.body.version) for s in sends(hub.take_outbound(), action="release")]
+    released = [(s.endpoint, s.body.version) for s in sends(hub.take_outbound(), action="discard")]
     assert released == [("agent-n2", 1)]  # agents only: other holders unpublish on their own
 
 

@@ -267,10 +267,10 @@ class HubMachine(RuleBasedStateMachine):
         if not isinstance(self.call(self.hub.register, p.Register(info=proc.info())), HubFault):
             proc.registered = True
 
-    @rule(nchunks=st.integers(1, 5), sharded=st.booleans(), partial=st.booleans())
-    def publish(self, nchunks, sharded, partial):
+    @rule(nchunks=st.integers(1, 5), sharded=st.booleans(), one_shard=st.booleans())
+    def publish(self, nchunks, sharded, one_shard):
         ranks = [("t0", 0), ("t1", 1)] if sharded else [("t0", 0)]
-        if partial and sharded:
+        if one_shard and sharded:
             ranks = ranks[:1]  # leave it STAGING
         if not all(self.procs[n].registered for n, _ in ranks):
             return

@@ -1,6 +1,6 @@
 """Holder notices on the peer channel (``wire.Await`` / ``wire.await_chunks``): a reader
 waiting for chunks its source does not hold yet is answered when the source marks one
-held (``Held.mark_held``, from any thread), at once when it already holds one, with an
+held (``Replica.mark_held``, from any thread), at once when it already holds one, with an
 empty mask at the timeout, and refused for a version the holder does not hold, once the
 replica is dropped, and for a bad token. Real sockets, a real ``PeerServer``."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorhub_cli.endpoint.peer import PeerServer
-from tensorhub_cli.endpoint.replica import Held
+from tensorhub_cli.endpoint.replica import Replica
 from tensorhub_cli.engines import wire
 from tensorhub_cli.engines.serve import Regions
 from tensorhub_cli.layout import lay_out, place
@@ -21,11 +21,11 @@ from tensorhub_cli.layout import lay_out, place
 TOKEN = "t" * 16
 
 
-def replica(rank: int = -1, world: int = 1) -> Held:
+def replica(rank: int = -1, world: int = 1) -> Replica:
     sd = {f"w{i}": torch.full((1024,), float(i)) for i in range(6)}  # 4 KiB each: one chunk each
     manifest, _ = lay_out(sd, 4096, 0)
     placed = place([manifest], {k: torch.zeros_like(v) for k, v in sd.items()})
-    return Held(model="m", version=1, world=world, shards=[manifest], rank=rank, placed=placed, handle=None)
+    return Replica(model="m", version=1, world=world, shards=[manifest], rank=rank, placed=placed, handle=None)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def waiting(fn, *args, **kw):
     return t, out
 
 
-def wait_subscribed(held: Held, n: int = 1, timeout: float = 10.0) -> None:
+def wait_subscribed(held: Replica, n: int = 1, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while len(held.waiters) < n:
         assert time.monotonic() < deadline, "the await never reached the holder's replica"

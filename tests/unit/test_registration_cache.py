@@ -99,7 +99,7 @@ def bare_endpoint(engine: Engine, hub: Hub, cap: int | None = None) -> Endpoint:
     ep.served = Regions()
     ep.engine = ep.tcp = engine
     ep._call = hub
-    ep.zombies = Zombies("e", "i1", ep._replicas.get, 1.0, let_go=lambda reg: ep.registrations.release(reg))
+    ep.zombies = Zombies("e", "i1", ep._replicas.get, 1.0, let_go=lambda reg: ep.registrations.give_back(reg))
     if cap is not None:
         ep._registrations = Registrations(engine, cap)
     return ep
@@ -209,7 +209,7 @@ def test_release_deregisters_at_once(rig):
     engine, hub = rig
     ep = bare_endpoint(engine, hub)
     publish(ep, 1, weights(1))
-    ep.release("m", 1)  # the hub forgot it: the memory is the caller's for good
+    ep.discard("m", 1)  # the hub forgot it: the memory is the caller's for good
     assert engine.live == {} and ep.registrations.idle() == []
 
 
@@ -280,7 +280,7 @@ def test_memory_resized_under_an_unused_registration_is_never_reused():
     regs = Registrations(engine)
     t = torch.empty(0).resize_(4096).normal_()
     placed = Placed(views=[flat_bytes(t)], regions=[Region(t.data_ptr(), t.nbytes, -1)], keep=[t])
-    regs.release(regs.acquire("m", placed, [t]))
+    regs.give_back(regs.acquire("m", placed, [t]))
     t.untyped_storage().resize_(0)
     u = torch.randn(100)
     regs.acquire("n", Placed(views=[flat_bytes(u)], regions=[Region(u.data_ptr(), u.nbytes, -1)], keep=[u]), [u])
@@ -376,7 +376,7 @@ def test_memory_freed_and_regrown_at_the_same_address_is_never_reused():
     for _ in range(5):  # (until the allocator hands the same block back each time, as glibc's mmap does)
         regrow()
     placed = Placed(views=[flat_bytes(t)], regions=[Region(t.data_ptr(), t.nbytes, -1)], keep=[t])
-    regs.release(regs.acquire("m", placed, [t]))
+    regs.give_back(regs.acquire("m", placed, [t]))
     before = t.data_ptr()
     regrow()
     if t.data_ptr() != before:

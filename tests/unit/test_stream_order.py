@@ -19,7 +19,7 @@ from tensorhub_cli.endpoint import fetching, publishing
 from tensorhub_cli.endpoint import streams
 from tensorhub_cli.endpoint.fetch import Fetch
 from tensorhub_cli.endpoint.inflight import Reading
-from tensorhub_cli.endpoint.replica import Held
+from tensorhub_cli.endpoint.replica import Replica
 from tensorhub_cli.layout import Placed, lay_out, place
 
 from .test_registration_cache import CopyFetch, CountingEngine, Hub, bare_endpoint, publish, weights
@@ -140,7 +140,7 @@ def test_the_fetch_loop_records_an_event_after_each_scatter(log):
     manifest, source = lay_out(sd, 1 << 20, 1 << 10)
     into = {k: torch.zeros_like(v) for k, v in sd.items()}
     placed = place([manifest], into)
-    held = Held(model="m", version=1, world=1, shards=[manifest], rank=-1, placed=placed, handle=None)
+    held = Replica(model="m", version=1, world=1, shards=[manifest], rank=-1, placed=placed, handle=None)
     done = SimpleNamespace(state=lambda xfer: "done", release=lambda xfer: True)
     with ThreadPoolExecutor(1) as verifiers:
         job = Fetch(SimpleNamespace(verifiers=verifiers), held, time.monotonic() + 10, 4, read_timeout=5,
