@@ -44,6 +44,7 @@ WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING = (
 class Answer:
     reads: list  # of (chunk, source, ready, tiled)
     complete: bool = False
+    first: int = 0  # read from this chunk on, ascending, wrapping round (``Planned.first``)
 
 
 @dataclass(slots=True)
@@ -148,6 +149,7 @@ class Reader:
     relays: set[str] = field(default_factory=set)  # sources scheduled for a chunk they did not hold yet
     asked: bool = False
     over: bool = False
+    first: int = 0  # the hub's ``Planned.first``: where our reading order starts
     wake_at: float = float("inf")
     asks: int = 0
     # Asking again for chunks nobody could feed yet (a version still assembling, every
@@ -189,6 +191,7 @@ class Reader:
                 out.append(Done())
                 return
             before = len(self.by[WANTED])
+            self.first = ev.first
             self._answer(now, ev.reads, out)
             gained = len(self.by[WANTED]) < before
             self.idle_s = 0.0 if gained else min(max(0.005, self.idle_s * 2), 0.5)
@@ -268,15 +271,17 @@ class Reader:
         if room <= 0 or not self.by[READY]:
             return
         # Spread over sources (fewest of our reads on it first), and from one source
-        # lowest chunk first: every member of a stripe's tree reads in the same order,
-        # so a child's next chunk is the one its parent verifies next; a reader fed by
-        # many publishers does not queue on one of them at a time.
+        # lowest chunk first, counting from ``first``: every member of a chain reads in
+        # the same order, so a child's next chunk is the one its parent verifies next;
+        # a reader fed by many publishers does not queue on one of them at a time, and
+        # chains side by side start on different publishers.
         busy: dict[str, int] = {}
         for c in self.by[READING]:
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1
         ready = sorted(self.by[READY])
+        first = self.first
         for _ in range(min(room, len(ready))):
-            c = min(ready, key=lambda x: (busy.get(self.source[x], 0), x))
+            c = min(ready, key=lambda x: (busy.get(self.source[x], 0), x if x >= first else x + (1 << 62)))
             if self.source[c] in self.relays and busy.get(self.source[c], 0) >= self.per_source:
                 return
             ready.remove(c)

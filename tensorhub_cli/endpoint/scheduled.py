@@ -273,7 +273,8 @@ class ScheduledFetch(Fetch):
                     if r.chunk not in h.held and r.chunk not in h.passed:
                         h.reading.setdefault(r.chunk, r.source)
             self.bases.update((r.chunk, r.base) for r in planned.reads)
-            return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in planned.reads], planned.complete)
+            return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in planned.reads], planned.complete,
+                               planned.first)
         if kind == "refused":
             return core.Refused(item[1])
         if kind == "noticed":

@@ -338,6 +338,9 @@ class Planned(Msg, tag="planned"):
     sources: list[Source]  # the endpoints those reads name
     waiting: int = 0  # chunks held only beyond a DC link whose seed is still filling
     complete: bool = False  # the reader already holds every chunk (every wanted one)
+    # Read from this chunk on, ascending, wrapping round: a schedule's chains side by
+    # side start at different publishers; a chain's members share it (0: from the lowest).
+    first: int = 0
 
 
 class Command(Msg, tag="command"):

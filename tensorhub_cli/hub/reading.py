@@ -97,6 +97,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
                for c, s in sorted(reads.items())],
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,
+        first=v.swarms.first(op.name) if scheduled else 0,
     )
 
 

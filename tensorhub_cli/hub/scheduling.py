@@ -49,7 +49,8 @@ def assign(hub: HubState, now: float, v: Version, reader: Endpoint, want: int, n
         def usable(name: str) -> bool:
             return _usable(hub, now, v, name)
 
-        for stripe, parent in swarms.join(reader.name, reader.place.dc, want, usable, avoid):
+        for stripe, parent in swarms.join(reader.name, reader.place.dc, want, usable, avoid,
+                                          chains=lambda: heads(hub, v, reader.place.dc, want)):
             if parent is None:
                 continue
             mine = stripe & rest
@@ -59,6 +60,32 @@ def assign(hub: HubState, now: float, v: Version, reader: Endpoint, want: int, n
             rest &= ~mine
     _roots(hub, now, v, reader, rest, avoid, result)
     return result
+
+
+MAX_CHAINS = 64
+
+
+def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
+    """How many chain heads the publishers can feed a swarm of (dc, want) at full rate:
+    a head reads the want in the time a publisher sends it its part, so a publisher
+    whose shard holds 1/c of the want can feed c heads at once; the swarm gets the
+    fewest any such publisher allows. One where a publisher of a wanted chunk is in
+    another DC: the swarm's roots lie across the DC link, and one chain keeps its
+    crossing to one copy (``Swarms.feeders``)."""
+    total = sum(v.chunk_nbytes[c] for c in bits(want))
+    fewest = MAX_CHAINS
+    for name in v.publishers:
+        rep = v.replicas.get(name)
+        if rep is None or rep.rank < 0 or rep.rank >= len(v.offsets):
+            continue
+        part = want & v.shard_mask(rep.rank)
+        if not part:
+            continue
+        where = hub.endpoints.get(name)
+        if where is None or where.place.dc != dc:
+            return 1
+        fewest = min(fewest, total // max(1, sum(v.chunk_nbytes[c] for c in bits(part))))
+    return max(1, fewest)
 
 
 def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int, avoid, result: PlanResult,

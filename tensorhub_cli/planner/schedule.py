@@ -23,6 +23,17 @@ On the 8-node testbed (``th bench fanout --testbed``, N = 7): k = 1 took 1.46 ×
 bound, k = 2 1.99 ×. A log-depth forest needs members re-parented as later ones join
 (SplitStream's push-down); not done.
 
+Parallel chains (k = 1). A chain's tail lags its head by one chunk's transfer per
+member, so a swarm of n members in one chain ends about n chunk times after its head:
+at 4,096 rollout GPUs (128 members a swarm, 64 chunks each) 3.4 x the network bound
+(``th bench sim --scale``). Where the roots can afford it, the swarm runs ``chains``
+chains side by side instead, member j joining chain j mod ``chains`` behind its tail,
+each chain's head fed by the roots: the hub sets ``chains`` when the swarm forms
+(``hub/scheduling.py``: how many heads the publishers in the swarm's DC can feed at
+full rate, from how much of each one's shard the swarm wants; one where a publisher's
+shard is all of it, as a single trainer's is, or where none is in the DC, so a chunk
+still crosses a DC link once).
+
 Cycles cannot form: a tree parent joined before its child, and a member that asks
 again (a read failed, a parent died or fell behind) is given roots only, never a tree
 parent; roots hold the chunk now or got it from a root themselves (``feeders``).
@@ -70,7 +81,9 @@ class Swarm:
     members: dict[str, Member] = field(default_factory=dict)
     # Per stripe: members with a free slot there, earliest first (breadth first).
     open: list[deque[Member]] = field(default_factory=list)
-
+    # k = 1: chains side by side, and each one's tail (None: a head is still to come)
+    chains: int = 1
+    tails: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -87,16 +100,21 @@ class Swarms:
         return name in self.of
 
     def join(self, name: str, dc: str, want: int, usable: Callable[[str], bool],
-             avoid: Collection[str] = ()) -> list[tuple[int, str | None]]:
+             avoid: Collection[str] = (), chains: Callable[[], int] = lambda: 1) -> list[tuple[int, str | None]]:
         """``name`` joins the swarm of (dc, want): per stripe, the chunks and the tree
         parent that feeds them (None: the stripe goes to the roots). ``usable(parent)``
         says whether a parent may still feed anyone (alive, not draining): those that
         may not leave the swarm's open lists for good; ``avoid`` (parents that failed
-        this reader) are passed over for this reader only."""
+        this reader) are passed over for this reader only. ``chains()``: how many
+        chains a new swarm runs (k = 1), asked once, when the swarm forms."""
         swarm = self.by_key.get((dc, want))
         if swarm is None:
             stripes = deal(want, self.k)
-            swarm = self.by_key[(dc, want)] = Swarm(dc, want, stripes, open=[deque() for _ in stripes])
+            n = max(1, chains()) if self.k == 1 else 1
+            swarm = self.by_key[(dc, want)] = Swarm(dc, want, stripes, open=[deque() for _ in stripes],
+                                                    chains=n, tails=[None] * n)
+        if swarm.chains > 1:
+            return [(swarm.stripes[0], self._chain(swarm, name, usable, avoid))]
         out: list[tuple[int, str | None]] = []
         for s, chunks in enumerate(swarm.stripes):
             out.append((chunks, _take_parent(swarm.open[s], s, usable, avoid)))
@@ -113,6 +131,33 @@ class Swarms:
             swarm.open[s].append(me)
         self.of[name] = swarm
         return out
+
+    def first(self, name: str) -> int:
+        """Where ``name``'s reading order starts: chain c of C at the (c/C)-th of the
+        swarm's wanted chunks, so the heads start on different publishers (0: one chain)."""
+        swarm = self.of.get(name)
+        if swarm is None or swarm.chains == 1:
+            return 0
+        me = swarm.members.get(name)
+        c = me.index % swarm.chains if me is not None else 0
+        if not c:
+            return 0
+        at, rest = c * swarm.want.bit_count() // swarm.chains, swarm.want
+        for _ in range(at):
+            rest &= rest - 1
+        return (rest & -rest).bit_length() - 1 if rest else 0
+
+    def _chain(self, swarm: Swarm, name: str, usable: Callable[[str], bool], avoid: Collection[str]) -> str | None:
+        """``name`` joins the next chain behind its tail (None: it heads that chain, fed
+        by the roots); a tail that may not feed it (dead, draining, avoided) is skipped,
+        and ``name`` takes its place: a chain never waits on a gone member."""
+        c = len(swarm.members) % swarm.chains
+        tail = swarm.tails[c]
+        parent = tail if tail is not None and tail not in avoid and usable(tail) else None
+        swarm.members[name] = Member(name, len(swarm.members), {})
+        swarm.tails[c] = name
+        self.of[name] = swarm
+        return parent
 
     def leave(self, name: str) -> None:
         """``name`` feeds no one from now on (it died, left or drains); its children

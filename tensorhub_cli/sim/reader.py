@@ -130,7 +130,8 @@ class ScheduledFetch:
             return
         if isinstance(body, p.Error):
             return self._end(body)
-        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.reads], body.complete)])
+        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.reads], body.complete,
+                               body.first)])
 
     # --- what the network, the verifiers and the sources report -----------------------------
     def landed(self, chunk: int, fid: int, rebuild_s: float = 0.0) -> None:

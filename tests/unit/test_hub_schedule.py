@@ -135,3 +135,50 @@ def test_a_joiner_of_a_replicated_version_reads_it_from_readers_even_beside_the_
     hub.progress(0.0, p.Progress(name="r0", model=MODEL, version=1, chunks=[0, 1, 2, 3]))
     got = _schedule(hub, "j", want=0b0011)  # another slice: a swarm of its own, fed by the roots
     assert {r.source for r in got.reads} == {"r0"}, got.reads
+
+
+def _sharded(world=4, per=2, readers=8, far_publisher=False):
+    """A trainer of ``world`` ranks (``per`` chunks each) and readers that want it all."""
+    hub = new_hub()
+    for r in range(world):
+        reg(hub, 0.0, info(f"t{r}", node=f"t{r}", rack="rt", dc="dc2" if far_publisher and r == world - 1 else "dc1"))
+    for i in range(readers):
+        reg(hub, 0.0, info(f"r{i}", node=f"n{i}", rack=f"rk{i % 2}", dc="dc1"))
+    for r in range(world):
+        hub.publish(0.0, p.Publish(name=f"t{r}", model=MODEL, version=1, manifest=manifest(per, salt=r + 1), rank=r,
+                                   world=world))
+    return hub
+
+
+def test_a_sharded_trainer_feeds_chains_side_by_side_each_from_its_own_head():
+    hub = _sharded(world=4, per=2, readers=8)
+    plans = {f"r{i}": _schedule(hub, f"r{i}") for i in range(8)}
+    # each publisher holds 1/4 of what the swarm wants: it can feed 4 heads at full rate
+    for i in range(4):
+        assert all(r.source.startswith("t") and r.ready for r in plans[f"r{i}"].reads), plans[f"r{i}"].reads
+    for i in range(4, 8):  # then each joiner goes behind its chain's tail
+        assert {r.source for r in plans[f"r{i}"].reads} == {f"r{i - 4}"}
+    # the heads start on different publishers; a chain's members read in their head's order
+    firsts = [plans[f"r{i}"].first for i in range(8)]
+    assert len(set(firsts[:4])) == 4 and firsts[4:] == firsts[:4], firsts
+    sent: dict[str, int] = {}
+    for got in plans.values():
+        for r in got.reads:
+            sent[r.source] = sent.get(r.source, 0) + 1
+    assert all(sent[f"t{r}"] == 4 * 2 for r in range(4)), sent  # 4 copies of each 2-chunk shard
+
+
+def test_one_chain_where_a_publisher_of_the_want_is_in_another_dc():
+    hub = _sharded(world=4, per=2, readers=4, far_publisher=True)
+    plans = [_schedule(hub, f"r{i}") for i in range(4)]
+    assert [{r.source for r in got.reads} for got in plans[1:]] == [{"r0"}, {"r1"}, {"r2"}]
+    assert {got.first for got in plans} == {0}
+
+
+def test_a_chain_whose_tail_is_gone_gets_a_new_head():
+    swarms = Swarms(k=1)
+    alive = {"a", "b"}
+    got = [swarms.join(n, "dc1", 0b1111, lambda x: x in alive, chains=lambda: 2) for n in ("a", "b", "c", "d")]
+    assert [g[0][1] for g in got] == [None, None, "a", "b"]  # c follows a, d follows b
+    # e's chain ends at c, which can no longer feed anyone: e heads it, fed by the roots
+    assert swarms.join("e", "dc1", 0b1111, lambda x: x in alive, chains=lambda: 2) == [(0b1111, None)]
