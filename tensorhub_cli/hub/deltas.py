@@ -34,15 +34,19 @@ class Bases:
         self.older: list[Version] | None = None  # newest first, assembled
         self.far: dict[str, bool] = {}  # source -> deltas allowed on its link
 
-    def __call__(self, source: str, chunk: int) -> int:
+    def dear(self, source: str) -> bool:
+        """May reads from ``source`` be deltas at all (the mode, and the link to it)?"""
         if self.mode == "off":
-            return -1
+            return False
         dear = self.far.get(source)
         if dear is None:
             a, b = self.hub.endpoints.get(self.reader), self.hub.endpoints.get(source)
             dear = self.far[source] = a is not None and b is not None and (
                 self.mode == "all" or level_between(a.place, b.place) == REMOTE)
-        if not dear:
+        return dear
+
+    def __call__(self, source: str, chunk: int) -> int:
+        if not self.dear(source):
             return -1
         if self.older is None:
             self.older = [old for n, old in sorted(self.hub.models.get(self.v.model, {}).items(), reverse=True)

@@ -90,28 +90,40 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     # Reads restored after a hub restart whose source has not re-registered stay
     # pinned but unlisted: the reader finishes or fails them on its own.
     reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
-    base = Bases(hub, v, op.name)
     return p.Planned(
-        reads=[p.Read(chunk=c, source=s, tiled=_tiled(v, s, c, op.layout), ready=_ready(v, s, c),
-                      base=-1 if op.layout else base(s, c))
-               for c, s in sorted(reads.items())],
+        reads=_listed(hub, v, op, reads),
         sources=[_source(hub, n) for n in sorted(set(reads.values()))],
         waiting=result.waiting,
         first=v.swarms.first(op.name) if scheduled else 0,
     )
 
 
-def _ready(v: Version, source: str, chunk: int) -> bool:
-    """The source holds the chunk now (whole, or as tiles): else it is scheduled to."""
-    rep = v.replicas.get(source)
-    return rep is None or bool(rep.held >> chunk & 1) or any(t.get(source, 0) >> chunk & 1 for t in v.layouts.values())
-
-
-def _tiled(v: Version, source: str, chunk: int, layout: str) -> bool:
-    """Planned onto ``source``'s tiles of the reader's layout, not a whole chunk."""
-    rep = v.replicas.get(source)
-    tiles = v.layouts.get(layout, {}).get(source, 0) if layout else 0
-    return rep is not None and not rep.held >> chunk & 1 and bool(tiles >> chunk & 1)
+def _listed(hub: HubState, v: Version, op: p.Plan, reads: dict[int, str]) -> list[p.Read]:
+    """Every read outstanding for the reader, as it goes out: per chunk whether its
+    source holds it now (``ready``: whole, or as tiles of any layout; a source the hub
+    has no replica of, restored after a restart, counts as ready), whether it is planned
+    onto the source's tiles of the reader's layout (``tiled``), and its delta ``base``.
+    What is per source is worked out once per source: a schedule lists every read."""
+    base = Bases(hub, v, op.name)
+    per: dict[str, tuple[int, int, bool]] = {}  # source -> (ready mask, tiles of our layout, deltas may apply)
+    out = []
+    for c, s in sorted(reads.items()):
+        known = per.get(s)
+        if known is None:
+            rep = v.replicas.get(s)
+            if rep is None:
+                known = (-1, 0, False)
+            else:
+                ready = rep.held
+                for t in v.layouts.values():
+                    ready |= t.get(s, 0)
+                mine = v.layouts.get(op.layout, {}).get(s, 0) & ~rep.held if op.layout else 0
+                known = (ready, mine, not op.layout and base.dear(s))
+            known = per[s] = known
+        ready, tiles, dear = known
+        out.append(p.Read(chunk=c, source=s, tiled=bool(tiles >> c & 1), ready=bool(ready >> c & 1),
+                          base=base(s, c) if dear else -1))
+    return out
 
 
 def _may_cross(v: Version, reader: Endpoint) -> bool:
@@ -127,18 +139,23 @@ def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned, 
     """Pin each planned read and count its bytes by level, tier and publisher."""
     planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
     relayed = 0  # reads served by readers, not publishers: pipelined replication at work
+    sizes, pin, name = v.chunk_nbytes, hub.pin, reader.name
+    per: dict[str, tuple[bool, str]] = {}  # source -> (a publisher?, its tier's counter)
     for chunk, source, level in assigned:
-        hub.pin(v, reader.name, chunk, source, relays)
-        nbytes = v.chunk_nbytes[chunk]
+        pin(v, name, chunk, source, relays)
+        nbytes = sizes[chunk]
         reader.bytes_planned += nbytes
-        if v.replicas[source].rank >= 0:
-            hub.asking.note(source, reader.name, now)
+        known = per.get(source)
+        if known is None:
+            known = per[source] = (v.replicas[source].rank >= 0, _TIER_KEYS[hub.endpoints[source].info.tier])
+        if known[0]:
+            hub.asking.note(source, name, now)
             reader.bytes_from_publishers += nbytes
             tier = _FROM_PUBLISHERS[reader.info.reliable]
             planned[tier] = planned.get(tier, 0) + nbytes
         else:
             relayed += 1
-        for key in (_LEVEL_KEYS[level], _TIER_KEYS[hub.endpoints[source].info.tier]):
+        for key in (_LEVEL_KEYS[level], known[1]):
             planned[key] = planned.get(key, 0) + nbytes
     for key, nbytes in planned.items():
         hub.count(key, nbytes)
