@@ -122,7 +122,7 @@ class Deltas(Strict):
     still plans full chunks: only the bytes on the wire and the reader's time change.
     Defaults come from the trace (docs/measurements/delta-*-llama-2026-12-05.json)."""
 
-    enabled: bool = Field(False, description="the real system serves no deltas yet: off unless asked")
+    enabled: bool = Field(False, description="deltas in the workloads (th bench sim --deltas runs cross_dc both ways whatever this says)")
     # lr 1e-5, sparse + zstd 1, mean over the 40 versions: the dearer of the two traced
     # learning rates (1e-6 gave 0.014), so the model does not flatter deltas.
     ratio: float = Field(0.058, gt=0, le=1, description="delta bytes / chunk bytes")
