@@ -1,8 +1,8 @@
 """Which planned reads travel as deltas (``Read.base``): a pure rule over the hub's state.
 
-Protocol. ``base_for`` names, for a read of chunk c of ``v`` by ``reader`` from
-``source``, the version the source should encode the chunk against (``wire.ReadDelta``),
-or -1 for the chunk itself. A base is the newest older version of the model that both
+Protocol. ``Bases(hub, v, reader)(source, c)`` names, for a read of chunk c of ``v`` by
+``reader`` from ``source``, the version the source should encode the chunk against
+(``wire.ReadDelta``), or -1 for the chunk itself. A base is the newest older version of the model that both
 endpoints hold chunk c of, whole and verified (a publisher: its shard), neither
 draining it, with chunk c of the same size. Deltas are used where the link is dear: by
 default only on reads that cross a DC link (mode ``remote``); ``all`` on every read;
@@ -57,11 +57,6 @@ class Bases:
                     and _holds(old, source, chunk):
                 return old.number
         return -1
-
-
-def base_for(hub: HubState, v: Version, reader: str, source: str, chunk: int) -> int:
-    """One read's base (``Bases`` for many)."""
-    return Bases(hub, v, reader)(source, chunk)
 
 
 def _holds(v: Version, name: str, chunk: int) -> bool:

@@ -107,7 +107,9 @@ class HubService:
         each version, and a large model's manifests take milliseconds to encode. The
         cache lives on the ``Version`` whose manifests it encodes (``Version.encoded``)."""
         v = self.hub.models.get(body.model, {}).get(body.version)
-        if v is None or v.manifests() != body.shards:  # (never for a reply the hub just made)
+        # (no shards: the reader holds the version, ``Resolve.known``; other shards than
+        # the version's: never for a reply the hub just made)
+        if not body.shards or v is None or v.manifests() != body.shards:
             return p.encode_shards(body.shards)
         if v.encoded is None:
             v.encoded = p.encode_shards(body.shards)

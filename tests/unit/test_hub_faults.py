@@ -247,6 +247,10 @@ def test_resolved_replies_come_from_a_cache_that_is_never_stale():
         fetch_all(hub, 0, "r", "m", 1)  # every member complete: the round is over
         body = p.decode_reply(call(p.Resolve(name="r", model="m", group="g"))).body
         assert (body.round, body.version, body.shards) == (2, 1, [second])
+
+        # A reader that says it holds this very version gets no manifests spliced in.
+        held = {1: p.manifest_digest(1, [second])}
+        assert p.decode_reply(call(p.Resolve(name="r", model="m", known=held))).body.shards == []
     finally:
         service._sock.close(0)
         service._ctx.term()
