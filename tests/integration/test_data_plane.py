@@ -123,7 +123,10 @@ def test_wrong_shape_or_dtype_is_one_clear_error_and_writes_nothing(hub):
 
 def test_unpublish_waits_for_a_slow_read_and_the_reader_gets_the_old_bytes(hub):
     _, client, spawn = hub
-    pub = spawn("pub", "tcp", env={"TH_TEST_SERVE_BPS": str(1 << 20)})
+    # Per connection, and the reader reads all 8 chunks side by side: each 1 MiB chunk takes
+    # 4 s, so the reader stays mid-read for seconds (at 1 MiB/s a busy machine's first poll
+    # could come after the last byte).
+    pub = spawn("pub", "tcp", env={"TH_TEST_SERVE_BPS": str(256 << 10)})
     reader = spawn("reader", "tcp")
     pub.ask("publish", model="m", version=1, seed=8, mib=8, chunk_mib=1)
     reader.send("fetch", model="m", seed=8, mib=8, window=32, timeout=60)  # every chunk in flight at once
