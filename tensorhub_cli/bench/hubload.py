@@ -17,7 +17,7 @@ Phases, each a real exchange with the hub, nothing skipped or faked:
 
 ``--protocol schedule`` (the default, as real readers do): each reader asks for its
 schedule (``Plan.schedule``) and reports inside its next plan, as ``endpoint.reader``
-does: a batch of max(8, n/4) chunks (never more: reads here end at once, a real
+does: a batch of ``endpoint.reader.batch`` chunks (never more: reads here end at once, a real
 reader's over time), the last ones, or what it has after 2 ms idle. A
 read is done once its source holds the chunk: the trainer from the start, a reader once
 it reported it. A read scheduled onto a parent that does not hold the chunk yet waits
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..endpoint.reader import batch
 from ..hub import protocol as p
 from ..launch.procs import cpu_seconds
 
@@ -201,7 +202,7 @@ class Schedules:
 def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout_s: float,
              window: int = 32, schedule: bool = False, nchunks: int = 0) -> tuple[Wave, float]:
     wave = Wave()
-    readers = {n: Reader(n, batch=max(8, nchunks // 4)) for n in names[1:]}
+    readers = {n: Reader(n, batch=batch(nchunks)) for n in names[1:]}
     ready = deque(readers.values())
     parked: deque[Reader] = deque()
     sched = Schedules(readers, names[0], ready, parked)
@@ -260,8 +261,9 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
                     r.step = "done"
                     done += 1
                 else:
-                    wave.waits += not body.reads
-                    sched.answered(r, body.reads, time.monotonic())
+                    reads = body.listed()
+                    wave.waits += not reads
+                    sched.answered(r, reads, time.monotonic())
             elif step == "plan":
                 wave.plans += 1
                 if body.complete:

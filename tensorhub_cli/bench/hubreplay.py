@@ -40,6 +40,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..endpoint.reader import batch
 from ..hub import protocol as p
 from ..hub.machine import Hub, HubConfig
 from ..hub.service import HubService
@@ -219,13 +220,13 @@ def _scheduled_wave(rp: Replay, phase: Phase, names: list[str], number: int, hea
             rp.call(phase, kind, p.Heartbeat(name=name))
         elif kind == "resolve":
             body, _ = rp.call(phase, kind, p.Resolve(name=name, model=MODEL))
-            every[name] = max(8, sum(len(m.chunks) for m in body.shards) // 4)
+            every[name] = batch(sum(len(m.chunks) for m in body.shards))
             queue.append(("plan", name))
         else:
             report = landed.pop(name, [])
             body, cpu = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, chunks=report,
                                                     schedule=True))
-            reads = [(r.chunk, r.source, r.ready) for r in body.reads]
+            reads = [(r.chunk, r.source, r.ready) for r in body.listed()]
             phase.digest.update(repr((name, reads, body.waiting, body.complete)).encode())
             if body.complete:
                 done += 1

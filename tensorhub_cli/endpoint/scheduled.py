@@ -72,9 +72,7 @@ class ScheduledFetch(Fetch):
         if self.only is not None:
             wanted &= self.only
         wanted &= ~sum(1 << c for c in (*h.held, *h.passed))
-        n = wanted.bit_count()
-        self.core = core.Reader(wanted, window=self.window, report_every=max(8, n // 4),
-                                read_timeout=self.read_timeout, wait_timeout=WAIT_TIMEOUT_S)
+        self.core = core.Reader(wanted, window=self.window, read_timeout=self.read_timeout, wait_timeout=WAIT_TIMEOUT_S)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.sources: dict[str, p.Source] = {}
         self.asked = None
@@ -268,12 +266,13 @@ class ScheduledFetch(Fetch):
             self.asked = None
             for s in planned.sources:
                 self.sources[s.name] = s
+            reads = planned.listed()
             with h.lock:
-                for r in planned.reads:
+                for r in reads:
                     if r.chunk not in h.held and r.chunk not in h.passed:
                         h.reading.setdefault(r.chunk, r.source)
-            self.bases.update((r.chunk, r.base) for r in planned.reads)
-            return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in planned.reads], planned.complete,
+            self.bases.update((r.chunk, r.base) for r in reads)
+            return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in reads], planned.complete,
                                planned.first)
         if kind == "refused":
             return core.Refused(item[1])

@@ -110,7 +110,7 @@ def _settle_pass(hub: HubState, now: float, todo: list[Version]) -> set[str]:
 def _drained(hub: HubState, now: float, v: Version, name: str, is_retained: bool, policy: Policy) -> bool:
     if v.pins.get(name, 0) or now < hub.grace_until:
         return False
-    if v.reads.get(name) and _withdrawing(hub, v, name):
+    if v.feeds.get(name) and _withdrawing(hub, v, name):
         # A reader the hub drains did not cancel first, as an unpublishing endpoint does:
         # forgotten now, its reads would pin their sources with no replica left to show.
         return False
@@ -234,8 +234,8 @@ def _where(w: Withdrawal, prefix: str = "node ") -> str:
 def _holding_why(hub: HubState, now: float, v: Version, name: str) -> str:
     if v.pins.get(name):
         return f"{v.pins[name]} read(s) from it in flight"
-    if v.reads.get(name):
-        return f"{len(v.reads[name])} read(s) of its own in flight"
+    if v.feeds.get(name):
+        return f"{v.reading(name).bit_count()} read(s) of its own in flight"
     if now < hub.grace_until:
         return "the hub restarted: waiting for every reader to register again"
     if v.pulls:

@@ -44,7 +44,7 @@ def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
         except HubFault:
             hub.count("errors.holding")  # one stale holding must not cost the others
     for v, reader, chunk in hub.unplaced.pop(op.info.name, []):
-        if reader in hub.endpoints and op.info.name in v.reads.get(reader, {}).values():
+        if reader in hub.endpoints and op.info.name in v.feeds.get(reader, ()):
             note_seed(hub, v, reader, op.info.name, chunk)
     settle(hub, now)
     return p.Ok()
@@ -90,11 +90,9 @@ def drop_endpoint(hub: HubState, now: float, name: str) -> None:
         leave(hub.near, ep.place, name)
     for versions in hub.models.values():
         for v in versions.values():
-            for chunk in list(v.reads.get(name, {})):
-                hub.unpin(v, name, chunk)
-            for reader in [r for r, reads in v.reads.items() if name in reads.values()]:
-                for chunk in [c for c, s in v.reads[reader].items() if s == name]:
-                    hub.unpin(v, reader, chunk)
+            hub.unpin(v, name, -1)
+            for reader in [r for r, feeds in v.feeds.items() if name in feeds]:
+                hub.unpin(v, reader, v.feeds[reader][name])
             if name in v.replicas:
                 forget_replica(v, name, ep.place if ep is not None else None)
             if name in v.draining:

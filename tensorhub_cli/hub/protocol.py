@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a scheduled plan is answered in ``Planned.feeds``
 # A 10k-tensor manifest is ~1 MiB; a large MoE's (~91k tensors) ~12 MiB, and a reader
 # re-registering after a hub restart sends every shard's. Bigger is a bug or an attack.
 MAX_FRAME = 64 << 20
@@ -333,14 +333,57 @@ class Source(Msg):
     engine_meta: bytes
 
 
+def bitset(mask: int) -> bytes:
+    """Chunk ids as a bitset on the wire: little-endian bytes, bit i = chunk i."""
+    return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
+
+
+def unbits(data: bytes) -> list[int]:
+    mask, out = int.from_bytes(data, "little"), []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+class Feed(Msg):
+    """One source's reads for a scheduled reader, as bitsets (``bitset``): the hub
+    answers a schedule a source at a time, so what it does per plan grows with the
+    reader's sources (a few), not with their chunks (a slice's many)."""
+
+    source: str
+    chunks: bytes
+    ready: bytes = b""  # of ``chunks``, those the source holds now (``Read.ready``)
+    bases: list[tuple[int, int]] = []  # (chunk, base): those to ask for as deltas (``Read.base``)
+
+    def reads(self) -> list[Read]:
+        ready, bases, s = int.from_bytes(self.ready, "little"), dict(self.bases), self.source
+        return [Read(chunk=c, source=s, ready=bool(ready >> c & 1), base=bases.get(c, -1))
+                for c in unbits(self.chunks)]
+
+
 class Planned(Msg, tag="planned"):
-    reads: list[Read]  # every read outstanding for this reader, old and new
+    # Every read outstanding for this reader, old and new: one by one (``reads``), or
+    # for a scheduled plan (``Plan.schedule``) a source at a time (``feeds``).
+    reads: list[Read]
     sources: list[Source]  # the endpoints those reads name
     waiting: int = 0  # chunks held only beyond a DC link whose seed is still filling
     complete: bool = False  # the reader already holds every chunk (every wanted one)
     # Read from this chunk on, ascending, wrapping round: a schedule's chains side by
     # side start at different publishers; a chain's members share it (0: from the lowest).
     first: int = 0
+    feeds: list[Feed] = []
+
+    def listed(self) -> list[Read]:
+        """Every outstanding read, one by one, by chunk."""
+        if not self.feeds:
+            return self.reads
+        out = list(self.reads)
+        for feed in self.feeds:
+            out += feed.reads()
+        out.sort(key=lambda r: r.chunk)
+        return out
 
 
 class Command(Msg, tag="command"):

@@ -160,8 +160,9 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
     for r in h.reading:
         # Pin even a source that has not re-registered yet: if it is alive and
         # unpublishes, this read in flight must still hold its drain back.
-        if 0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source != name:
-            hub.pin(v, name, r.chunk, r.source)
+        if (0 <= r.chunk < v.nchunks and not held >> r.chunk & 1 and r.source != name
+                and not v.reading(name) >> r.chunk & 1):
+            hub.pin(v, name, r.source, 1 << r.chunk)
             if r.source in hub.endpoints:
                 note_seed(hub, v, name, r.source, r.chunk)
             else:  # its DC is known once it re-registers

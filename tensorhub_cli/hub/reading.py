@@ -14,6 +14,7 @@ stopped heartbeating are dropped at the reader's next plan (contract 6).
 from __future__ import annotations
 
 import zlib
+from operator import attrgetter
 
 from ..planner import LEVELS, REMOTE, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
@@ -22,7 +23,7 @@ from .deltas import Bases
 from .draining import drop_old, settle
 from .faults import HubFault
 from .publishing import index
-from .registry import READY, Replica, Version
+from .registry import READY, Replica, Version, bits
 from .resolving import require_ready
 from .state import Endpoint, HubState
 
@@ -52,14 +53,13 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         rep.satisfied = True
         return p.Planned(reads=[], sources=[], complete=True)
     _drop_lost_reads(hub, now, v, op.name)
-    reads = v.reads.get(op.name, {})
     assigned, mine = 0, {}
-    for chunk, source in reads.items():
-        assigned |= 1 << chunk
-        mine[source] = mine.get(source, 0) + 1
+    for source, chunks in v.feeds.get(op.name, {}).items():
+        assigned |= chunks
+        mine[source] = chunks.bit_count()
     window = max(1, min(op.window, hub.config.max_window))
     needed = want & ~rep.held & ~assigned
-    limit = window - len(reads)
+    limit = window - assigned.bit_count()
     scheduled = op.schedule and not op.layout and op.name not in v.pulls
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
     if scheduled:
@@ -69,7 +69,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
             Reader(reader.name, reader.place, needed, mine, v.avoid.get(reader.name, ()), reader.name in v.pulls,
                    v.layouts.get(op.layout, {}) if op.layout else {}),
             Sources(v.replicas, v.publishers, v.draining, hub.endpoints, v.near, hub.near, hub.load, hub.full,
-                    v.serving, v.spread, v.sending, v.holding),
+                    {}, v.spread, v.sending, v.holding),
             Limits(now, hub.config.expiry_s, hub.config.max_reads_per_source, hub.config.planner == "star"),
             hub.asking,
         )
@@ -89,73 +89,95 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     hub.count("plans")
     # Reads restored after a hub restart whose source has not re-registered stay
     # pinned but unlisted: the reader finishes or fails them on its own.
-    reads = {c: s for c, s in v.reads.get(op.name, {}).items() if s in hub.endpoints}
+    feeds = {s: chunks for s, chunks in v.feeds.get(op.name, {}).items() if s in hub.endpoints}
+    listed = _listed(hub, v, op, feeds)
     return p.Planned(
-        reads=_listed(hub, v, op, reads),
-        sources=[_source(hub, n) for n in sorted(set(reads.values()))],
+        # (a schedule's reads a source at a time: the hub's work per plan is per source)
+        reads=[] if scheduled else sorted((r for feed in listed for r in feed.reads()), key=_CHUNK),
+        feeds=[feed.wire() for feed in listed] if scheduled else [],
+        sources=[_source(hub, n) for n in sorted(feeds)],
         waiting=result.waiting,
         first=v.swarms.first(op.name) if scheduled else 0,
     )
 
 
-def _listed(hub: HubState, v: Version, op: p.Plan, reads: dict[int, str]) -> list[p.Read]:
-    """Every read outstanding for the reader, as it goes out: per chunk whether its
-    source holds it now (``ready``: whole, or as tiles of any layout; a source the hub
-    has no replica of, restored after a restart, counts as ready), whether it is planned
-    onto the source's tiles of the reader's layout (``tiled``), and its delta ``base``.
-    What is per source is worked out once per source: a schedule lists every read."""
+def _listed(hub: HubState, v: Version, op: p.Plan, feeds: dict[str, int]) -> list[p.Feed]:
+    """Every read outstanding for the reader (``feeds``: source -> chunks), a source at
+    a time: which of its chunks the source holds now (``ready``: whole, or as tiles of
+    any layout; a source the hub has no replica of, restored after a restart, counts as
+    ready), which are planned onto the source's tiles of the reader's layout
+    (``tiled``), and the delta ``base`` of each that has one."""
     base = Bases(hub, v, op.name)
-    per: dict[str, tuple[int, int, bool]] = {}  # source -> (ready mask, tiles of our layout, deltas may apply)
     out = []
-    for c, s in sorted(reads.items()):
-        known = per.get(s)
-        if known is None:
-            rep = v.replicas.get(s)
-            if rep is None:
-                known = (-1, 0, False)
-            else:
-                ready = rep.held
-                for t in v.layouts.values():
-                    ready |= t.get(s, 0)
-                mine = v.layouts.get(op.layout, {}).get(s, 0) & ~rep.held if op.layout else 0
-                known = (ready, mine, not op.layout and base.dear(s))
-            known = per[s] = known
-        ready, tiles, dear = known
-        out.append(p.Read(chunk=c, source=s, tiled=bool(tiles >> c & 1), ready=bool(ready >> c & 1),
-                          base=base(s, c) if dear else -1))
+    for s, chunks in feeds.items():
+        rep = v.replicas.get(s)
+        if rep is None:
+            ready, tiles, dear = chunks, 0, False
+        else:
+            ready = rep.held
+            for t in v.layouts.values():
+                ready |= t.get(s, 0)
+            tiles = v.layouts.get(op.layout, {}).get(s, 0) & ~rep.held if op.layout else 0
+            dear = not op.layout and base.dear(s)
+        bases = [(c, b) for c in bits(chunks) if (b := base(s, c)) >= 0] if dear else []
+        out.append(_Feed(s, chunks, ready & chunks, tiles & chunks, bases))
     return out
+
+
+_CHUNK = attrgetter("chunk")
+
+
+class _Feed:
+    """A source's reads as the hub works them out; ``wire`` for a scheduled plan (a
+    ``Feed``, chunk bitsets), ``reads`` for a windowed one (``Read`` by ``Read``)."""
+
+    __slots__ = ("source", "chunks", "ready", "tiled", "bases")
+
+    def __init__(self, source: str, chunks: int, ready: int, tiled: int, bases: list[tuple[int, int]]):
+        self.source, self.chunks, self.ready, self.tiled, self.bases = source, chunks, ready, tiled, bases
+
+    def wire(self) -> p.Feed:
+        return p.Feed(source=self.source, chunks=p.bitset(self.chunks),
+                      ready=p.bitset(self.ready) if self.ready else b"", bases=self.bases)
+
+    def reads(self) -> list[p.Read]:
+        bases, s, ready, tiled = dict(self.bases), self.source, self.ready, self.tiled
+        return [p.Read(chunk=c, source=s, tiled=bool(tiled >> c & 1), ready=bool(ready >> c & 1),
+                       base=bases.get(c, -1)) for c in bits(self.chunks)]
 
 
 def _may_cross(v: Version, reader: Endpoint) -> bool:
     """Contract 8 through ``planner.may_cross``; an inactive seed is dropped here."""
     seed = v.seeds.get(reader.place.dc)
-    active = seed is not None and seed in v.replicas and seed not in v.draining and bool(v.reads.get(seed))
+    active = seed is not None and seed in v.replicas and seed not in v.draining and bool(v.feeds.get(seed))
     if seed is not None and seed != reader.name and not active:
         del v.seeds[reader.place.dc]
     return may_cross(seed, reader.name, active)
 
 
 def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned, relays: bool = True) -> None:
-    """Pin each planned read and count its bytes by level, tier and publisher."""
+    """Pin the planned reads (a source at a time) and count their bytes by level,
+    tier and publisher."""
+    if not assigned:
+        return
+    by: dict[tuple[str, int], int] = {}  # (source, level) -> chunks
+    for chunk, source, level in assigned:
+        by[source, level] = by.get((source, level), 0) | 1 << chunk
     planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
     relayed = 0  # reads served by readers, not publishers: pipelined replication at work
-    sizes, pin, name = v.chunk_nbytes, hub.pin, reader.name
-    per: dict[str, tuple[bool, str]] = {}  # source -> (a publisher?, its tier's counter)
-    for chunk, source, level in assigned:
-        pin(v, name, chunk, source, relays)
-        nbytes = sizes[chunk]
+    name = reader.name
+    for (source, level), chunks in by.items():
+        hub.pin(v, name, source, chunks, relays)
+        nbytes = v.bytes_of(chunks)
         reader.bytes_planned += nbytes
-        known = per.get(source)
-        if known is None:
-            known = per[source] = (v.replicas[source].rank >= 0, _TIER_KEYS[hub.endpoints[source].info.tier])
-        if known[0]:
+        if v.replicas[source].rank >= 0:
             hub.asking.note(source, name, now)
             reader.bytes_from_publishers += nbytes
             tier = _FROM_PUBLISHERS[reader.info.reliable]
             planned[tier] = planned.get(tier, 0) + nbytes
         else:
-            relayed += 1
-        for key in (_LEVEL_KEYS[level], known[1]):
+            relayed += chunks.bit_count()
+        for key in (_LEVEL_KEYS[level], _TIER_KEYS[hub.endpoints[source].info.tier]):
             planned[key] = planned.get(key, 0) + nbytes
     for key, nbytes in planned.items():
         hub.count(key, nbytes)
@@ -167,13 +189,13 @@ def _drop_lost_reads(hub: HubState, now: float, v: Version, reader: str) -> None
     """Contract 6: reads onto a source past its expiry (swept or not) are re-planned
     at once. A source that has not re-registered since a hub restart counts as lost
     only after the grace period."""
-    for chunk, source in list(v.reads.get(reader, {}).items()):
+    for source, chunks in list(v.feeds.get(reader, {}).items()):
         if source in hub.endpoints:
             lost = not hub.alive(now, source)
         else:
             lost = now >= hub.grace_until
         if lost:
-            hub.unpin(v, reader, chunk)
+            hub.unpin(v, reader, chunks)
 
 
 def _source(hub: HubState, name: str) -> p.Source:
@@ -192,9 +214,11 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
         rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         before = rep.held
+        got = 0
         for c in op.chunks:
-            rep.held |= 1 << c
-            hub.unpin(v, op.name, c)
+            got |= 1 << c
+        rep.held |= got
+        hub.unpin(v, op.name, got)
         if rep.rank < 0:
             v.respread(rep.held & ~before, hub.endpoints[op.name].place.dc)
         if rep.held == v.full:
@@ -203,14 +227,15 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     if op.tiled:  # read in part (another layout): its tiles serve readers of that layout only
         v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         tiles = v.layouts.setdefault(op.layout, {})
+        got = 0
         for c in op.tiled:
-            tiles[op.name] = tiles.get(op.name, 0) | 1 << c
-            if c in v.reads.get(op.name, {}):
-                hub.unpin(v, op.name, c)
+            got |= 1 << c
+        tiles[op.name] = tiles.get(op.name, 0) | got
+        hub.unpin(v, op.name, got)
         index(hub, v, op.name)
     for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
-        if v.reads.get(op.name, {}).get(r.chunk) == r.source:
-            hub.unpin(v, op.name, r.chunk)
+        if 0 <= r.chunk < v.nchunks and v.source_of(op.name, r.chunk) == r.source:
+            hub.unpin(v, op.name, 1 << r.chunk)
             v.avoid.setdefault(op.name, set()).add(r.source)
             v.swarms.unfeed(hub.endpoints[op.name].place.dc, r.chunk, r.source)
             hub.count("reads_failed")
@@ -229,8 +254,7 @@ def cancel(hub: HubState, now: float, op: p.Cancel) -> p.Ok:
     """The reader gave up its reads in flight (a fetch timed out or was aborted)."""
     hub.endpoint(op.name, op.incarnation)
     v = hub.version(op.model, op.version)
-    for chunk in list(v.reads.get(op.name, {})):
-        hub.unpin(v, op.name, chunk)
+    hub.unpin(v, op.name, -1)
     hub.asking.done(op.name)
     settle(hub, now)
     return p.Ok()

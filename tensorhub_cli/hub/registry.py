@@ -13,6 +13,7 @@ covered; UNAVAILABLE when a once-READY version loses its last holder of some chu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,6 +37,33 @@ def bits(mask: int, start: int = 0):
         low = rest & -rest
         yield low.bit_length() - 1
         rest ^= low
+
+
+class Sending(Mapping):
+    """Source -> the chunks it is sending to readers that will hold them whole, which a
+    windowed plan had better have relayed than sent again (``planner.Sources.sending``).
+    A view of ``Version.fed``, worked out per source when asked: a schedule never asks,
+    and its pins and unpins stay a few bitset operations."""
+
+    __slots__ = ("fed",)
+
+    def __init__(self, fed: dict[str, dict[str, int]]):
+        self.fed = fed
+
+    def __getitem__(self, source: str) -> int:
+        out = 0
+        for chunks in self.fed[source].values():
+            out |= chunks
+        return out
+
+    def __contains__(self, source: object) -> bool:
+        return source in self.fed
+
+    def __iter__(self):
+        return iter(self.fed)
+
+    def __len__(self) -> int:
+        return len(self.fed)
 
 
 @dataclass
@@ -66,14 +94,14 @@ class Version:
     chunk_nbytes: list[int] = field(default_factory=list)
     digest: int = 0
     size_masks: dict[int, int] = field(default_factory=dict)  # chunk size -> chunks of that size
-    # reads in flight: reader -> {chunk: source}; pins: source -> count
-    reads: dict[str, dict[int, str]] = field(default_factory=dict)
+    # Reads in flight, a source at a time (a reader reads from a few sources, a schedule
+    # many chunks from each): reader -> {source: chunks}; pins: source -> reads.
+    feeds: dict[str, dict[str, int]] = field(default_factory=dict)
     pins: dict[str, int] = field(default_factory=dict)
-    serving: dict[str, dict[int, int]] = field(default_factory=dict)  # source -> {chunk: readers}
-    # ``serving`` as bitsets (source -> chunks it is sending), kept with it by pin and
-    # unpin so a plan reads a source's mask instead of building it per candidate.
-    sending: dict[str, int] = field(default_factory=dict)
-    quiet: set[tuple[str, int]] = field(default_factory=set)  # (reader, chunk) pins not in ``serving``
+    # The same reads the other way round, those whose reader will hold the chunk whole
+    # (it may relay it): source -> {reader: chunks} (``sending``: their union per source).
+    fed: dict[str, dict[str, int]] = field(default_factory=dict)
+    quiet: dict[str, int] = field(default_factory=dict)  # reader -> chunks it reads as tiles (not in ``fed``)
     seeds: dict[str, str] = field(default_factory=dict)  # dc -> the reader pulling across the DC link
     pulls: set[str] = field(default_factory=set)  # agents asked to pull a retention copy
     draining: set[str] = field(default_factory=set)  # replicas waiting for their pins to drain
@@ -177,51 +205,86 @@ class Version:
         rep = self.replicas.get(name)
         return self.complete(name) or (rep is not None and self.assembled and rep.satisfied)
 
-    def pin(self, reader: str, chunk: int, source: str, relays: bool = True) -> None:
-        """``relays``: the reader will hold the chunk whole, so others may wait for it
-        to relay the chunk (``serving``); a reader of another layout reads tiles only."""
-        self.reads.setdefault(reader, {})[chunk] = source
-        self.pins[source] = self.pins.get(source, 0) + 1
-        if not relays:
-            self.quiet.add((reader, chunk))
+    @property
+    def sending(self) -> Sending:
+        return Sending(self.fed)
+
+    def reading(self, reader: str) -> int:
+        """The chunks ``reader`` has reads of in flight."""
+        out = 0
+        for chunks in self.feeds.get(reader, {}).values():
+            out |= chunks
+        return out
+
+    def source_of(self, reader: str, chunk: int) -> str | None:
+        for source, chunks in self.feeds.get(reader, {}).items():
+            if chunks >> chunk & 1:
+                return source
+        return None
+
+    def pin(self, reader: str, source: str, chunks: int, relays: bool = True) -> None:
+        """Reads of ``chunks`` (a bitset, none of them in flight for ``reader``) from
+        ``source``. ``relays``: the reader will hold them whole, so others may wait for
+        it to relay them (``sending``); a reader of another layout reads tiles only."""
+        if not chunks:
             return
-        chunks = self.serving.setdefault(source, {})
-        n = chunks[chunk] = chunks.get(chunk, 0) + 1
-        if n == 1:
-            self.sending[source] = self.sending.get(source, 0) | 1 << chunk
+        feeds = self.feeds.setdefault(reader, {})
+        feeds[source] = feeds.get(source, 0) | chunks
+        self.pins[source] = self.pins.get(source, 0) + chunks.bit_count()
+        if not relays:
+            self.quiet[reader] = self.quiet.get(reader, 0) | chunks
+            return
+        fed = self.fed.setdefault(source, {})
+        fed[reader] = fed.get(reader, 0) | chunks
 
-    def unpin(self, reader: str, chunk: int) -> str | None:
-        reads = self.reads.get(reader)
-        if not reads or chunk not in reads:
-            return None
-        source = reads.pop(chunk)
-        if not reads:
-            del self.reads[reader]
-        left = self.pins[source] - 1
-        if left:
-            self.pins[source] = left
-        else:
-            del self.pins[source]
-        if (reader, chunk) in self.quiet:
-            self.quiet.discard((reader, chunk))
-            return source
-        chunks = self.serving[source]
-        if chunks[chunk] > 1:
-            chunks[chunk] -= 1
-        else:
-            del chunks[chunk]
-            if chunks:
-                self.sending[source] &= ~(1 << chunk)
+    def unpin(self, reader: str, chunks: int) -> dict[str, int]:
+        """Ends ``reader``'s reads of ``chunks`` (a bitset; -1: all; chunks not in
+        flight are skipped); returns how many ended per source."""
+        feeds = self.feeds.get(reader)
+        if not feeds:
+            return {}
+        ended: dict[str, int] = {}
+        for source, mine in list(feeds.items()):
+            gone = mine & chunks
+            if not gone:
+                continue
+            ended[source] = n = gone.bit_count()
+            if mine & ~gone:
+                feeds[source] = mine & ~gone
             else:
-                del self.serving[source], self.sending[source]
-        return source
+                del feeds[source]
+            left = self.pins[source] - n
+            if left:
+                self.pins[source] = left
+            else:
+                del self.pins[source]
+            quiet = self.quiet.get(reader, 0) & gone
+            if quiet:
+                rest = self.quiet[reader] & ~quiet
+                if rest:
+                    self.quiet[reader] = rest
+                else:
+                    del self.quiet[reader]
+            relayed = gone & ~quiet
+            if relayed:
+                fed = self.fed[source]
+                if fed[reader] & ~relayed:
+                    fed[reader] &= ~relayed
+                else:
+                    del fed[reader]
+                    if not fed:
+                        del self.fed[source]
+        if not feeds:
+            del self.feeds[reader]
+        return ended
 
-    def held_bytes(self, held: int) -> int:
-        return sum(n * (held & mask).bit_count() for n, mask in self.size_masks.items())
+    def bytes_of(self, chunks: int) -> int:
+        return sum(n * (chunks & mask).bit_count() for n, mask in self.size_masks.items())
+
 
     def status(self, reliable=lambda name: False) -> p.VersionStatus:
         holders = [
-            p.HolderStatus(name=name, held_bytes=self.held_bytes(r.held), complete=self.complete(name),
+            p.HolderStatus(name=name, held_bytes=self.bytes_of(r.held), complete=self.complete(name),
                            reliable=reliable(name), draining=name in self.draining)
             for name, r in sorted(self.replicas.items())
         ]

@@ -156,18 +156,18 @@ class HubState:
         ep = self.endpoints.get(name)
         return ep is not None and ep.info.reliable
 
-    def pin(self, v: Version, reader: str, chunk: int, source: str, relays: bool = True) -> None:
-        """A read in flight: it holds ``source``'s drain back (contract 3) and counts
-        against its read slots (``relays``: see ``Version.pin``)."""
-        v.pin(reader, chunk, source, relays)
-        load = self.load[source] = self.load.get(source, 0) + 1
+    def pin(self, v: Version, reader: str, source: str, chunks: int, relays: bool = True) -> None:
+        """Reads in flight (``chunks``: a bitset): they hold ``source``'s drain back
+        (contract 3) and count against its read slots (``relays``: see ``Version.pin``)."""
+        v.pin(reader, source, chunks, relays)
+        load = self.load[source] = self.load.get(source, 0) + chunks.bit_count()
         if load >= self.config.max_reads_per_source:
             self.full.add(source)
 
-    def unpin(self, v: Version, reader: str, chunk: int) -> None:
-        source = v.unpin(reader, chunk)
-        if source is not None:
-            left = self.load[source] - 1
+    def unpin(self, v: Version, reader: str, chunks: int) -> None:
+        """Ends ``reader``'s reads of ``chunks`` (a bitset; -1: all of them)."""
+        for source, n in v.unpin(reader, chunks).items():
+            left = self.load[source] - n
             if left < self.config.max_reads_per_source:
                 self.full.discard(source)
             if left:

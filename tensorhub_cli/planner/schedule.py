@@ -84,6 +84,7 @@ class Swarm:
     # k = 1: chains side by side, and each one's tail (None: a head is still to come)
     chains: int = 1
     tails: list[str | None] = field(default_factory=list)
+    starts: dict[int, int] = field(default_factory=dict)  # chain -> its first chunk (``Swarms.first``)
 
 
 @dataclass
@@ -142,10 +143,13 @@ class Swarms:
         c = me.index % swarm.chains if me is not None else 0
         if not c:
             return 0
-        at, rest = c * swarm.want.bit_count() // swarm.chains, swarm.want
-        for _ in range(at):
-            rest &= rest - 1
-        return (rest & -rest).bit_length() - 1 if rest else 0
+        start = swarm.starts.get(c)
+        if start is None:  # (once a chain: every plan of its members asks)
+            at, rest = c * swarm.want.bit_count() // swarm.chains, swarm.want
+            for _ in range(at):
+                rest &= rest - 1
+            start = swarm.starts[c] = (rest & -rest).bit_length() - 1 if rest else 0
+        return start
 
     def _chain(self, swarm: Swarm, name: str, usable: Callable[[str], bool], avoid: Collection[str]) -> str | None:
         """``name`` joins the next chain behind its tail (None: it heads that chain, fed

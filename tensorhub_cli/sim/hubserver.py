@@ -143,3 +143,13 @@ class HubServer:
     @property
     def cpu_s(self) -> float:
         return sum(self.cpu.values())
+
+    def mark(self) -> tuple[float, float, dict[str, int]]:
+        """What the hub spent so far (CPU, busy seconds, calls by kind), for ``since``."""
+        return self.cpu_s, self.busy_s, dict(self.calls)
+
+    def since(self, mark: tuple[float, float, dict[str, int]]) -> tuple[float, float, dict[str, int]]:
+        """What the hub spent after ``mark``: a version's share, setup left out."""
+        cpu, busy, calls = mark
+        return (self.cpu_s - cpu, self.busy_s - busy,
+                {k: n - calls.get(k, 0) for k, n in sorted(self.calls.items()) if n > calls.get(k, 0)})

@@ -65,11 +65,7 @@ class ScheduledFetch:
             sizes = self.world.chunk_sizes[(self.model, body.version)] = [c.nbytes for m in body.shards for c in m.chunks]
         self.sizes = sizes
         wanted = self.want or (1 << len(sizes)) - 1
-        n = wanted.bit_count()
-        # A report per quarter of the chunks (at least 8): the hub hears of progress in
-        # batches; children learn of chunks from their parents' notices, not from it.
-        self.core = core.Reader(wanted, window=self.cfg.window, report_every=max(8, n // 4),
-                                read_timeout=float("inf"), wait_timeout=float("inf"))
+        self.core = core.Reader(wanted, window=self.cfg.window, read_timeout=float("inf"), wait_timeout=float("inf"))
         self.step([])
 
     # --- the core's loop ------------------------------------------------------------------
@@ -130,7 +126,7 @@ class ScheduledFetch:
             return
         if isinstance(body, p.Error):
             return self._end(body)
-        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.reads], body.complete,
+        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.listed()], body.complete,
                                body.first)])
 
     # --- what the network, the verifiers and the sources report -----------------------------

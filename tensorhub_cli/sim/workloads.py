@@ -96,9 +96,9 @@ def _levels(world: World) -> dict[str, int]:
     return {lv: int(c.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS}
 
 
-def _fetch_round(cast: Cast, eps, t0: float, jitter: bool, version: int = 1) -> tuple[dict, dict[int, float], float]:
+def _fetch_round(cast: Cast, eps, t0: float, jitter: bool, version: int = 1) -> tuple[dict, dict[int, float], tuple]:
     """Fetch the version on ``eps`` (instances start within the jitter when ``jitter``);
-    → (fetches, instance → start, hub CPU seconds spent meanwhile)."""
+    → (fetches, instance → start, the hub's ``mark`` from before the fetch)."""
     world = cast.world
     spread = world.fetch_params.start_jitter_s if jitter else 0.0
     starts = {}
@@ -106,9 +106,9 @@ def _fetch_round(cast: Cast, eps, t0: float, jitter: bool, version: int = 1) -> 
         i = cast.instance(ep)
         if i not in starts:
             starts[i] = t0 + world.rng.uniform(0.0, spread)
-    cpu = world.hub.cpu_s
+    mark = world.hub.mark()
     fetches = sc.fetch(world, [(ep, cast.want(ep), starts[cast.instance(ep)]) for ep in eps], MODEL, version)
-    return fetches, starts, world.hub.cpu_s - cpu
+    return fetches, starts, mark
 
 
 def _instance_stall(cast: Cast, fetches, starts) -> tuple[float, list[float]]:
@@ -123,15 +123,18 @@ def _instance_stall(cast: Cast, fetches, starts) -> tuple[float, list[float]]:
     return sum(gpus[i] * (done[i] - starts[i]) for i in done), per
 
 
-def _summary(world: World, fetches, t0: float, cpu: float) -> dict:
+def _summary(world: World, fetches, t0: float, mark: tuple) -> dict:
+    """The version's figures; the hub's CPU, busy time and calls are those after ``mark``
+    (taken as the version's fetch began: registration and publishing left out)."""
     ends = [f.ended for f in fetches.values()]
+    cpu, busy, calls = world.hub.since(mark)
     return {
         "version_s": max(ends) - t0,
         "hub_cpu_s": cpu,
         "hub_cpu_total_s": world.hub.cpu_s,  # setup included: the wall time the real hub took
         "hub_cpu": {k: round(v, 4) for k, v in sorted(world.hub.cpu.items())},
-        "hub_calls": dict(sorted(world.hub.calls.items())),
-        "hub_busy_s": world.hub.busy_s,
+        "hub_calls": calls,
+        "hub_busy_s": busy,
         "hub_max_queue": world.hub.max_queue,
         "expired_alive": world.expired_alive(),
         "silence_max_s": world.hub.silence_max_s,
@@ -151,9 +154,9 @@ def standalone(params: SimParams, planner: str, trainer: int, rollouts: int, bar
     began = world.loop.now
     t0 = sc.publish(world, cast.trainer, MODEL, 1, cast.shards)
     publish_s = t0 - began
-    fetches, starts, cpu = _fetch_round(cast, cast.rollouts, t0, jitter=not barrier)
+    fetches, starts, mark = _fetch_round(cast, cast.rollouts, t0, jitter=not barrier)
     world.close()
-    out = _summary(world, fetches, t0, cpu)
+    out = _summary(world, fetches, t0, mark)
     if barrier:  # the global stage: every GPU waits for the last rollout
         rollout_stall = rollouts * out["version_s"]
         trainer_stall = trainer * (publish_s + out["version_s"])
@@ -179,11 +182,11 @@ def elastic(params: SimParams, planner: str, trainer: int, rollouts: int) -> dic
     t0 = sc.publish(world, cast.trainer, MODEL, 1, cast.shards)
     _fetch_round(cast, standing, t0, jitter=True)  # they hold it before anyone joins
     t_join = world.loop.now
-    cpu = world.hub.cpu_s
+    mark = world.hub.mark()  # (the joiners' registration is part of their update)
     sc.register(world, joiners)
     fetches, _, _ = _fetch_round(cast, joiners, world.loop.now, jitter=False)
     world.close()
-    out = _summary(world, fetches, t_join, world.hub.cpu_s - cpu)
+    out = _summary(world, fetches, t_join, mark)
     return {**out, "planner": planner, "trainer_gpus": trainer, "tp": tp, "standing_gpus": len(standing),
             "joiner_gpus": len(joiners), "update_s": out["version_s"]}
 
@@ -209,8 +212,8 @@ def _cross_dc_round(cast: Cast, planner: str, version: int, local: int, remote: 
     world.wan_readers.clear()
     began = world.loop.now
     t0 = sc.publish(world, cast.trainer, MODEL, version, cast.shards)
-    fetches, starts, cpu = _fetch_round(cast, cast.rollouts, t0, jitter=True, version=version)
-    out = _summary(world, fetches, t0, cpu)
+    fetches, starts, mark = _fetch_round(cast, cast.rollouts, t0, jitter=True, version=version)
+    out = _summary(world, fetches, t0, mark)
     out["bytes_by_level"] = {lv: n - levels[lv] for lv, n in out["bytes_by_level"].items()}
     far = {n: f for n, f in fetches.items() if f.ep.gpu.dc != "dc1"}
     near = {n: f for n, f in fetches.items() if f.ep.gpu.dc == "dc1"}

@@ -26,8 +26,8 @@ def _hub(reader_dc="dc2", versions=(1, 2), sizes=None, **config):
 
 def _bases(hub, version):
     planned = hub.plan(0.0, p.Plan(name="r", model=M, version=version, schedule=True))
-    assert planned.reads, planned
-    return {r.base for r in planned.reads}
+    assert planned.listed(), planned
+    return {r.base for r in planned.listed()}
 
 
 def test_a_far_reader_of_v2_that_holds_v1_is_told_to_read_deltas_against_v1():

@@ -3,6 +3,8 @@ reader gives every chunk a source, trees within a DC, each chunk crossing a DC o
 
 from __future__ import annotations
 
+import msgspec
+
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.planner.schedule import Swarms, deal
 
@@ -23,9 +25,15 @@ def _published(nchunks=16, readers=7, dcs=("dc1",)):
     return hub, names
 
 
-def _schedule(hub, name, want=0):
+def _schedule(hub, name, want=0, **kw):
     mask = want.to_bytes((want.bit_length() + 7) // 8, "little") if want else b""
-    return hub.plan(0.0, p.Plan(name=name, model=MODEL, version=1, schedule=True, want=mask))
+    return _expanded(hub.plan(0.0, p.Plan(name=name, model=MODEL, version=1, schedule=True, want=mask, **kw)))
+
+
+def _expanded(got: p.Planned) -> p.Planned:
+    """A scheduled answer with its feeds as reads, one by one (``Planned.listed``)."""
+    assert not got.reads, "a scheduled plan lists its reads a source at a time"
+    return msgspec.structs.replace(got, reads=got.listed(), feeds=[])
 
 
 def test_deal_spreads_any_want_evenly_over_the_stripes():
@@ -88,7 +96,7 @@ def test_a_scheduled_read_becomes_ready_once_its_parent_reports_the_chunk():
     waiting = [r for r in got.reads if not r.ready]
     assert waiting and all(r.source == "r0" for r in waiting)
     hub.progress(0.0, p.Progress(name="r0", model=MODEL, version=1, chunks=[r.chunk for r in waiting]))
-    again = hub.plan(0.0, p.Plan(name="r1", model=MODEL, version=1, schedule=True))
+    again = _schedule(hub, "r1")
     assert all(r.ready for r in again.reads if r.source == "r0")
 
 
@@ -97,8 +105,7 @@ def test_a_failed_tree_read_goes_to_a_holder_that_has_the_chunk_now():
     _schedule(hub, "r0")
     got = _schedule(hub, "r1")
     lost = next(r for r in got.reads if r.source == "r0")
-    again = hub.plan(0.0, p.Plan(name="r1", model=MODEL, version=1, schedule=True,
-                                 failed=[p.Read(chunk=lost.chunk, source="r0")]))
+    again = _schedule(hub, "r1", failed=[p.Read(chunk=lost.chunk, source="r0")])
     moved = next(r for r in again.reads if r.chunk == lost.chunk)
     assert moved.source == "t0" and moved.ready  # roots only: never another tree parent
 
@@ -123,9 +130,11 @@ def test_every_scheduled_read_is_pinned_and_a_report_unpins_it():
     _schedule(hub, "r0")
     got = _schedule(hub, "r1")
     v = hub.models[MODEL][1]
-    assert v.reads["r1"] == {r.chunk: r.source for r in got.reads}
+    assert {c: v.source_of("r1", c) for c in range(4)} == {r.chunk: r.source for r in got.reads}
+    pins = dict(v.pins)
     hub.progress(0.0, p.Progress(name="r1", model=MODEL, version=1, chunks=[got.reads[0].chunk]))
-    assert got.reads[0].chunk not in v.reads["r1"]
+    assert v.source_of("r1", got.reads[0].chunk) is None
+    assert v.pins.get(got.reads[0].source, 0) == pins[got.reads[0].source] - 1
 
 
 def test_a_joiner_of_a_replicated_version_reads_it_from_readers_even_beside_the_trainer():

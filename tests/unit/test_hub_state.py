@@ -703,7 +703,7 @@ def test_a_plan_with_want_plans_pins_and_completes_only_those_chunks():
     want = (1 << 1 | 1 << 4).to_bytes(1, "little")
     planned = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8, want=want))
     assert sorted(r.chunk for r in planned.reads) == [1, 4] and not planned.complete
-    assert sorted(hub.models["policy"][1].reads["r"]) == [1, 4]  # pinned: only those
+    assert hub.models["policy"][1].feeds["r"] == {"t": 1 << 1 | 1 << 4}  # pinned: only those
     done = hub.plan(0, p.Plan(name="r", model="policy", version=1, window=8, want=want, chunks=[1, 4]))
     assert done.complete and done.reads == []
     assert hub.models["policy"][1].replicas["r"].held == 1 << 1 | 1 << 4  # partial: the rest is not ours

@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
 from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault
-from tensorhub_cli.planner import copies, serving_mask
+from tensorhub_cli.planner import copies
 
 from .hubkit import EXPIRY, info, manifest
 
@@ -339,7 +339,7 @@ class HubMachine(RuleBasedStateMachine):
         reads = proc.reading.setdefault((MODEL, number), {})
         zombies = proc.zombies.get((MODEL, number), {})
         waiting = proc.waiting.setdefault((MODEL, number), {})
-        for r in got.reads:
+        for r in got.listed():
             if r.chunk in waiting or not r.ready:
                 # A read on a source that will hold the chunk: the answer says so exactly,
                 # and the source is no draining one unless it was scheduled before the drain.
@@ -672,9 +672,9 @@ class HubMachine(RuleBasedStateMachine):
         key = (MODEL, number)
         for _ in range(20):
             got = self.call(self.hub.plan, p.Plan(name=agent, model=MODEL, version=number, window=64))
-            if not isinstance(got, p.Planned) or got.complete or not got.reads:
+            if not isinstance(got, p.Planned) or got.complete or not got.listed():
                 return
-            done = [r.chunk for r in got.reads if self.truly_holds(r.source, number, r.chunk)]
+            done = [r.chunk for r in got.listed() if self.truly_holds(r.source, number, r.chunk)]
             proc.chunks.setdefault(key, set()).update(done)  # copied and verified, then reported
             self.call(self.hub.progress, p.Progress(name=agent, model=MODEL, version=number, chunks=done))
 
@@ -756,7 +756,7 @@ class HubMachine(RuleBasedStateMachine):
                     src = self.hub.endpoints.get(source)
                     if src is None or self.now - src.last_seen > EXPIRY:
                         continue  # a lost source: contract 6 re-plans the read
-                    assert v.reads.get(proc.name, {}).get(chunk) == source, \
+                    assert v.source_of(proc.name, chunk) == source, \
                         f"(j) {proc.name}'s transfer of chunk {chunk} from {source} (v{key[1]}) is not pinned"
 
     @invariant()
@@ -768,7 +768,22 @@ class HubMachine(RuleBasedStateMachine):
         assert self.hub.full == {s for s, n in self.hub.load.items() if n >= cap}, "(i) full != load at cap"
         for number, v in self.hub.models.get(MODEL, {}).items():
             assert v.publishers == {n for n, r in v.replicas.items() if r.rank >= 0}, f"(i) v{number} publishers"
-            assert v.sending == {s: serving_mask(c) for s, c in v.serving.items()}, f"(i) v{number} sending"
+            # reads per reader and per source: the same pins counted both ways round
+            pins: dict = {}
+            fed: dict = {}  # source -> reader -> chunks whose reader may relay them
+            for reader, feeds in v.feeds.items():
+                assert feeds and all(feeds.values()), f"(i) v{number} {reader}'s empty feeds kept"
+                seen = 0
+                for source, chunks in feeds.items():
+                    assert not seen & chunks, f"(i) v{number} {reader} reads a chunk from two sources"
+                    seen |= chunks
+                    pins[source] = pins.get(source, 0) + chunks.bit_count()
+                    if chunks & ~v.quiet.get(reader, 0):
+                        fed.setdefault(source, {})[reader] = chunks & ~v.quiet.get(reader, 0)
+                assert not v.quiet.get(reader, 0) & ~seen, f"(i) v{number} {reader}'s quiet chunks not in flight"
+            assert set(v.quiet) <= set(v.feeds), f"(i) v{number} quiet readers with nothing in flight"
+            assert v.pins == pins, f"(i) v{number} pins {v.pins} != {pins}"
+            assert v.fed == fed, f"(i) v{number} fed {v.fed} != {fed}"
             for dc, cached in v.spread.items():  # grown in place as readers gain chunks
                 fresh = copies(v.near.get(("dc", dc), ()), v.replicas, v.draining)
                 assert cached == fresh, f"(i) v{number} spread[{dc}] {cached} != {fresh}"
