@@ -29,18 +29,25 @@ readers on the other nodes interleaved over both racks, and every row carries
 ``chain_bound_s`` = S/B + (N-1)·c/B, what a pipelined chain of chunks c reaches. Rows
 also carry the CPU seconds the endpoint processes spent (``ours_endpoint_cpu_s``) and
 that divided by this machine's cores (``ours_cpu_floor_s``): on a small machine hosting
-every node, CPU and not the links can be what bounds a fan-out.
+every node, CPU and not the links can be what bounds a fan-out. ``raw_socket`` is one
+plain TCP stream of the payload from n1 to the first reader (``bench.rawsock``: one
+``sendall``, ``recv_into`` one buffer), and each row's ``ours_cpu_vs_raw_socket`` our
+processes' CPU per GiB received over that stream's (both ends) per GiB.
 Up to 15 readers (16 nodes): on the 2-core, 24 GiB machine this was built on, a
 16-node testbed comes up and its link checks hold (see ``MAX_TESTBED_READERS``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import psutil
 
+from ..launch.procs import stop_child
 from .rig import Driven, RigError, free_port, hub
 from .testbed import Site, testbed
 
@@ -214,7 +221,9 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
         ours, ours_sent, ours_cpu = _rows("ros", readers, mib, chunk_mib, window, engine, site, names, warmup)
         star, star_sent, star_cpu = _rows("star", readers, mib, chunk_mib, window, engine, site, names, warmup)
         bcast, bcast_sent, crcs = _broadcast_rows(readers, mib, site, names, warmup)
+        raw = _raw_stream(_nbytes(mib), site, names[0])
     nbytes = _nbytes(mib)
+    gib = nbytes / 2**30
     versions = _versions(readers, warmup)
     bound = nbytes * 8 / (state["rates_mbit"]["node"] * 1e6)
     step = int(chunk_mib * 2**20) * 8 / (state["rates_mbit"]["node"] * 1e6)
@@ -223,6 +232,9 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
              "bound_s": bound, "chain_bound_s": bound + (n - 1) * step, "ours_vs_bound": ours[n] / bound,
              # what the endpoints' CPU alone allows on this machine's cores, at best
              "ours_endpoint_cpu_s": ours_cpu[n], "ours_cpu_floor_s": ours_cpu[n] / cores,
+             # every process's CPU per GiB received, against one raw TCP stream's (both ends) on n1's link
+             "ours_cpu_s_per_gib": ours_cpu[n] / (n * gib),
+             "ours_cpu_vs_raw_socket": ours_cpu[n] / (n * gib) / raw["cpu_s_per_gib"],
              "star_endpoint_cpu_s": star_cpu[n], "star_vs_bound": star[n] / bound,
              "broadcast_vs_bound": bcast[n] / bound, "star_vs_ours": star[n] / ours[n],
              "broadcast_vs_ours": bcast[n] / ours[n], "broadcast_crc32": crcs[n],
@@ -239,7 +251,34 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
     return {"workload": "fanout", "testbed": {"nodes": nodes, "racks": min(RACKS, nodes),
                                               "rates_mbit": state["rates_mbit"], "check": state["check"]},
             "bytes": nbytes, "chunk_bytes": int(chunk_mib * 2**20), "window": window, "engine": engine,
-            "warmup": warmup, "protocol": _protocol(), "rows": rows, "target": target, "target_met": all(met.values()), "targets": met}
+            "warmup": warmup, "protocol": _protocol(), "raw_socket": raw, "rows": rows, "target": target,
+            "target_met": all(met.values()), "targets": met}
+
+
+def _raw_stream(nbytes: int, site: Site, reader: str) -> dict:
+    """One TCP stream of the payload's size from n1 to ``reader`` (``bench.rawsock``):
+    the CPU both ends spend per GiB, the floor of what moving bytes costs here."""
+    port = BROADCAST_PORT + 1 if site.state else free_port()
+    argv = ["-m", "tensorhub_cli.bench.rawsock"]
+    common = ["--port", str(port), "--nbytes", str(nbytes), "--timeout-s", str(TIMEOUT_S)]
+    rx = subprocess.Popen([*(site.prefix(reader) or []), sys.executable, *argv, "recv", *common],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        tx = subprocess.run([*(site.prefix("n1") or []), sys.executable, *argv, "send", "--address",
+                             site.address(reader), "--seed", "1", *common],
+                            capture_output=True, text=True, timeout=TIMEOUT_S + 60, check=True)
+        out, _ = rx.communicate(timeout=TIMEOUT_S)
+    finally:
+        stop_child(rx)
+    if rx.returncode:
+        raise RuntimeError(f"raw stream to {reader}: the receiver failed (exit {rx.returncode}; its stderr above)")
+    sent, got = json.loads(tx.stdout), json.loads(out)
+    if got["nbytes"] != nbytes or got["crc32"] != sent["crc32"]:
+        raise RuntimeError(f"raw stream to {reader}: {got['nbytes']} bytes, crc32 {got['crc32']:#x} "
+                           f"against {nbytes}, {sent['crc32']:#x} sent")
+    cpu = sent["cpu_s"] + got["cpu_s"]
+    return {"reader": reader, "seconds": got["seconds"], "sender_cpu_s": sent["cpu_s"], "receiver_cpu_s": got["cpu_s"],
+            "cpu_s_per_gib": cpu / (nbytes / 2**30)}
 
 
 def _protocol() -> str:

@@ -55,3 +55,25 @@ def test_cli_refuses_more_testbed_readers_than_it_carries_before_starting_anythi
                           cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     assert f"the testbed carries {fanout.MAX_TESTBED_READERS} readers at most" in proc.stderr
+
+
+def test_the_raw_stream_arm_moves_the_payload_and_says_when_it_did_not():
+    from tensorhub_cli.bench.testbed import Site
+
+    raw = fanout._raw_stream(8 << 20, Site(None), "n2")  # loopback: what --testbed runs between nodes
+    assert raw["cpu_s_per_gib"] == pytest.approx((raw["sender_cpu_s"] + raw["receiver_cpu_s"]) / (8 / 1024))
+    assert raw["seconds"] > 0
+    # a sender that sends less than the receiver waits for: the row fails, naming why
+    port = fanout.free_port()
+    rx = subprocess.Popen([sys.executable, "-m", "tensorhub_cli.bench.rawsock", "recv", "--port", str(port),
+                           "--nbytes", str(1 << 20), "--timeout-s", "30"], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        subprocess.run([sys.executable, "-m", "tensorhub_cli.bench.rawsock", "send", "--port", str(port),
+                        "--nbytes", str(1 << 19), "--timeout-s", "30"], cwd=REPO, check=True, timeout=60,
+                       capture_output=True)
+        _, err = rx.communicate(timeout=60)
+    finally:
+        rx.kill()
+        rx.wait(10)
+    assert rx.returncode != 0 and f"the sender closed after {1 << 19} of {1 << 20} bytes" in err
