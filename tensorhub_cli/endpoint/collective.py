@@ -101,7 +101,7 @@ class StripeFetch(Fetch):
         self.want = sum(1 << c for c in want).to_bytes((max(want, default=0) >> 3) + 1, "little")
 
     def run(self) -> None:
-        self.client = _Wanting(HubClient(self.ep._hub, self.ep._token, source=self.ep.host), self.want)
+        self.client = _Wanting(self.ep.hub_client(), self.want)
         try:
             self._loop()
         finally:

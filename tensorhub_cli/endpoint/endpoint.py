@@ -138,6 +138,10 @@ class Endpoint:
         self._local = threading.local()
         self._rpcs: list[tuple[threading.Thread, HubClient]] = []
         self._rpcs_lock = threading.Lock()
+        # When the hub last answered one of our plans (monotonic): the hub takes a plan
+        # for a heartbeat, so the service thread skips a beat due sooner than
+        # ``heartbeat_s`` after it (a fetch's plans are most of a reader's requests).
+        self.heard_at = float("-inf")
         self.last_fetch: dict = {}
         self.sync_into: dict[str, dict | Callable[[list[p.Manifest]], dict]] = {}
         self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s, on_command or SyncCommands())
@@ -149,6 +153,20 @@ class Endpoint:
             raise
 
     # --- plumbing used by the service thread and the fetch loop -----------------------
+
+    @property
+    def token(self) -> str:
+        """The cluster token the hub and our peers' servers ask of every request."""
+        return self._token
+
+    def hub_client(self) -> HubClient:
+        """A hub socket of the caller's own, from our node's address: for a thread that
+        drives its own requests (a fetch's plans). The caller closes it."""
+        return HubClient(self._hub, self._token, source=self.host)
+
+    def heard(self) -> None:
+        """The hub answered a plan of ours just now (it counts as our heartbeat)."""
+        self.heard_at = time.monotonic()
 
     def _check_open(self) -> None:
         if getattr(self, "_shut", False):
@@ -166,7 +184,7 @@ class Endpoint:
         self._check_open()
         if self.service.fenced:
             raise HubError(p.Error(code="fenced", message=self.service.fenced))
-        client = HubClient(self._hub, self._token, source=self.host)
+        client = self.hub_client()
         try:
             return client.call(op, timeout=timeout)
         finally:
@@ -177,7 +195,7 @@ class Endpoint:
         ended are closed here: no thread uses them any more."""
         client = getattr(self._local, "client", None)
         if client is None:
-            client = HubClient(self._hub, self._token, source=self.host)
+            client = self.hub_client()
             with self._rpcs_lock:
                 for thread, old in self._rpcs:
                     if not thread.is_alive():

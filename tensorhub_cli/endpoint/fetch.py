@@ -55,7 +55,7 @@ from ..engines import wire
 from ..engines.base import EngineError, Pair
 from ..errors import FetchError  # (defined with the rest of the public errors; importable from here)
 from ..hub import protocol as p
-from ..hub.client import HubClient, HubError
+from ..hub.client import HubError
 from . import streams
 from .inflight import Asked, Holder, Reading, Stopping, Verifying, Zombie
 from .replica import Replica
@@ -108,7 +108,7 @@ class Fetch:
         """Until the hub says we hold everything. One plan request is in flight at a
         time, sent without waiting: reads already started keep moving (and verifying)
         while the hub answers."""
-        self.client = HubClient(self.ep._hub, self.ep._token, source=self.ep.host)
+        self.client = self.ep.hub_client()
         self._ticked = time.monotonic()
         try:
             self._loop()
@@ -227,6 +227,7 @@ class Fetch:
                 self.asked = Asked(self.client.send(asked.op), time.monotonic(), asked.op, again)
             return None
         self.asked = None
+        self.ep.heard()
         return planned
 
     def _start_planned(self, planned: p.Planned) -> None:
@@ -286,7 +287,7 @@ class Fetch:
         if known is None:
             h = self.held
             address = source.engine_meta.decode()
-            desc = wire.describe(address, self.ep._token, h.model, h.version, timeout=self.describe_timeout,
+            desc = wire.describe(address, self.ep.token, h.model, h.version, timeout=self.describe_timeout,
                                  source=self.ep.host)
             engine = self.ep.engine if desc.engine == self.ep.engine.kind else self.ep.tcp
             known = self.peers[source.name] = Holder(engine, engine.add_peer(address, desc.description), desc)

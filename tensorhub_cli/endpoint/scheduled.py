@@ -174,7 +174,7 @@ class ScheduledFetch(Fetch):
         desc = self._peer(source).described
         if self.deltas is None:
             self.deltas = DeltaReads(ThreadPoolExecutor(max(1, self.window), thread_name_prefix="th-delta"))
-        ask = DeltaAsk(address=source.engine_meta.decode(), token=self.ep._token, model=h.model, version=h.version,
+        ask = DeltaAsk(address=source.engine_meta.decode(), token=self.ep.token, model=h.model, version=h.version,
                        base=base, index=chunk - (self.starts[desc.rank] if desc.rank >= 0 else 0),
                        timeout=self.read_timeout, source=self.ep.host)
         xfer = self.deltas.start(ask, old, into)
@@ -210,7 +210,7 @@ class ScheduledFetch(Fetch):
         """On the hub thread, with a socket of its own (a zmq socket stays on one
         thread; one per plan, as plans are a handful per fetch): the plan's answer (or
         refusal) onto the queue."""
-        client = HubClient(self.ep._hub, self.ep._token, source=self.ep.host)
+        client = self.ep.hub_client()
         try:
             self._plan_on(client, op)
         finally:
@@ -236,6 +236,7 @@ class ScheduledFetch(Fetch):
                 if registrations == self.ep.service.registrations:
                     log.debug("plan of %s@%s unanswered (%s); asking again", self.held.model, self.held.version, exc)
                 continue
+            self.ep.heard()
             self.q.put(("answer", body))
             return
         self.q.put(("refused", "timed out waiting for the hub's plan"))
@@ -246,7 +247,7 @@ class ScheduledFetch(Fetch):
         try:
             if source is None:
                 raise wire.PeerError(f"no address for {source_name}")
-            have = wire.await_chunks(source.engine_meta.decode(), self.ep._token, self.held.model,
+            have = wire.await_chunks(source.engine_meta.decode(), self.ep.token, self.held.model,
                                      self.held.version, chunks, timeout=max(0.0, min(AWAIT_S, left)),
                                      source=self.ep.host)
         except (wire.PeerError, OSError, ValueError) as exc:

@@ -9,7 +9,10 @@ the next beat meets ``unknown_endpoint``; a Register repeated with the same inca
 keeps every pin and pending unpublish at the hub (contract 3). ``fenced`` means another
 process replaced us under our name: the thread stops for good (no more beats), and
 ``fenced`` says why, so fetches in progress and later calls fail naming it. Each beat
-also reaps reads a failed fetch left behind (``Endpoint._reap``).
+also reaps reads a failed fetch left behind (``Endpoint._reap``). The hub takes any
+plan of ours for a beat too: a beat falling due less than ``heartbeat_s`` after the
+hub answered one of our plans (``Endpoint.heard``) is put off to a period after that
+answer, so the hub still hears from us at least once a period.
 
 A refusal no retry can change (``FINAL``: ``auth``, a bad cluster token; ``version``,
 a protocol the hub does not speak) also stops the thread at once, with one log line;
@@ -108,10 +111,24 @@ class Service:
                 if self._orphaned:
                     self.client.close()
 
+    def _reap(self) -> None:
+        """Reads a failed fetch left behind: released, and unpinned once stopped (once a
+        beat period, beat or not)."""
+        try:
+            self.ep._reap(lambda op, timeout: self.client.call(op, timeout=timeout))
+        except Exception:
+            log.exception("%s: reaping stopped reads failed", self.ep.name)
+
     def _loop(self) -> None:
         next_beat = 0.0
         while not self.stopping.is_set():
             now = time.monotonic()
+            heard = self.ep.heard_at
+            if now >= next_beat and now - heard < self.heartbeat_s and self.registered.is_set():
+                # An answered plan was our beat (the hub took it for one): the next one is
+                # due a period after it, so the hub never goes longer without hearing from us.
+                next_beat = heard + self.heartbeat_s
+                self._reap()
             if now >= next_beat:
                 try:
                     self._beat()
@@ -127,10 +144,7 @@ class Service:
                         return
                     log.warning("%s: %s", self.ep.name, exc)
                 next_beat = now + self.heartbeat_s
-                try:  # reads a failed fetch left behind: released, and unpinned once stopped
-                    self.ep._reap(lambda op, timeout: self.client.call(op, timeout=timeout))
-                except Exception:
-                    log.exception("%s: reaping stopped reads failed", self.ep.name)
+                self._reap()
             holding = self.ep.holds_memory() and self.ep.engine.needs_progress
             try:
                 self.client.poll_pushed(self._slice(holding, now))

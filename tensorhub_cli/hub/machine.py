@@ -44,6 +44,9 @@ class Hub(HubState):
     def heartbeat(self, now: float, op: p.Heartbeat) -> p.Ok:
         return membership.heartbeat(self, now, op)
 
+    def heard(self, now: float, name: str, incarnation: str = "") -> None:
+        membership.heard(self, now, name, incarnation)
+
     def deregister(self, now: float, op: p.Deregister) -> p.Ok:
         return membership.deregister(self, now, op)
 

@@ -55,6 +55,17 @@ def heartbeat(hub: HubState, now: float, op: p.Heartbeat) -> p.Ok:
     return p.Ok()
 
 
+def heard(hub: HubState, now: float, name: str, incarnation: str) -> None:
+    """A plan from ``name`` arrived at ``now``: it was alive then, as a heartbeat would
+    say (its service thread skips the beat due within a period of an answered plan).
+    Taken on arrival, not when the plan is served: a plan that queued behind others says
+    nothing of later. Nothing for an unknown endpoint or another incarnation: the plan
+    itself is refused."""
+    ep = hub.endpoints.get(name)
+    if ep is not None and (not incarnation or not ep.info.incarnation or incarnation == ep.info.incarnation):
+        ep.last_seen = max(ep.last_seen, now)
+
+
 def deregister(hub: HubState, now: float, op: p.Deregister) -> p.Ok:
     hub.endpoint(op.name, op.incarnation)
     drop_endpoint(hub, now, op.name)

@@ -129,7 +129,11 @@ class HubService:
         payload). Never raises."""
         with self.lock:
             req = self._admit(ident, frames)
-            return req if isinstance(req, list) else self._apply(ident, req)
+            if isinstance(req, list):
+                return req
+            if type(req.op) is p.Plan:
+                self.hub.heard(self.clock(), req.op.name, req.op.incarnation)
+            return self._apply(ident, req)
 
     def take(self, ident: bytes, frames: list[bytes]) -> list[tuple[bytes, bytes]]:
         """One request off the socket: a heartbeat (or a refusal) is answered now, any
@@ -140,6 +144,8 @@ class HubService:
                 return req
             if type(req.op) is p.Heartbeat:
                 return self._apply(ident, req)
+            if type(req.op) is p.Plan:  # a heartbeat too, as of its arrival (``membership.heard``)
+                self.hub.heard(self.clock(), req.op.name, req.op.incarnation)
             self.backlog.append((ident, req))
             return []
 

@@ -58,6 +58,7 @@ class SimEndpoint:
         self.alive = True
         self.registered_at: float | None = None
         self.fetches: list[Fetch] = []
+        self.heard_at = float("-inf")  # the hub's last answer to a plan of ours (a beat in effect)
         self.published: set[tuple[str, int]] = set()  # (model, version): what a delta may be cut against
 
     def register(self, then: Callable[[], None] | None = None) -> None:
@@ -186,6 +187,7 @@ class Fetch:
         self.asked = False
         if isinstance(body, p.Error):
             return self._end(body)
+        self.ep.heard_at = self.ep.world.loop.now
         if body.complete:
             return self._end(None)
         busy = len(self.inflight) + len(self.verifying)

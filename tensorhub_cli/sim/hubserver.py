@@ -65,6 +65,8 @@ class HubServer:
         self.loop.after(self.rtt_s / 2, self._arrive, op, reply)
 
     def _arrive(self, op: p.Msg, reply: Callable | None) -> None:
+        if isinstance(op, p.Plan):  # a heartbeat too, as of its arrival (as ``HubService.take``)
+            self.hub.heard(self.loop.now, op.name, op.incarnation)
         self._queue.append((op, reply))
         if len(self._queue) > self.max_queue:
             self.max_queue = len(self._queue)

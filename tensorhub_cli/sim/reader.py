@@ -126,6 +126,7 @@ class ScheduledFetch:
             return
         if isinstance(body, p.Error):
             return self._end(body)
+        self.ep.heard_at = self.world.loop.now
         self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.listed()], body.complete,
                                body.first)])
 

@@ -98,7 +98,10 @@ class World:
         if not self.running:
             return
         self._beating = [ep for ep in self._beating if ep.alive]
-        self.hub.beats([ep.heartbeat() for ep in self._beating])
+        # An endpoint whose plan the hub answered within the period skips this beat
+        # (``endpoint.service``: the hub took the plan for one).
+        recent = self.loop.now - self.params.hub.heartbeat_s
+        self.hub.beats([ep.heartbeat() for ep in self._beating if ep.heard_at <= recent])
         self.loop.after(self.params.hub.heartbeat_s, self._beat)
 
     def expired_alive(self) -> int:

@@ -74,7 +74,8 @@ def test_source_killed_midway_the_fetch_completes_from_the_others(hub):
     assert second.ask("fetch", model="m", seed=3, mib=32, window=16, timeout=60)["equal"]
     reader.send("fetch", model="m", seed=3, mib=32, window=4, timeout=60)
     total = 32 << 20
-    wait_until(lambda: (h := holder(client, "m", 1, "reader")) and h.held_bytes >= total // 2, 60, "reader at 50%")
+    # its first report (about half its chunks; the next is the last)
+    wait_until(lambda: (h := holder(client, "m", 1, "reader")) and h.held_bytes > 0, 60, "reader's first report")
     assert holder(client, "m", 1, "reader").held_bytes < total  # the kill lands mid-fetch
     pub.kill()
     res = reader.recv(90)

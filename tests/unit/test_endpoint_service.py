@@ -54,7 +54,7 @@ def fake_endpoint() -> SimpleNamespace:
     return SimpleNamespace(name="e", incarnation="i1", info=p.EndpointInfo(name="e", node="n", incarnation="i1"),
                            holdings=lambda: [], holds_memory=lambda: False,
                            engine=SimpleNamespace(needs_progress=False), peer=SimpleNamespace(last_ask=0.0),
-                           _reap=lambda call: None)
+                           _reap=lambda call: None, heard_at=float("-inf"))
 
 
 def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():
@@ -163,3 +163,40 @@ def test_a_refusal_a_retry_can_change_is_retried():
         assert len(client.calls) > 1
     finally:
         service.stop(join_timeout=2, deregister_timeout=0.5)
+
+
+class CountingClient(PushingClient):
+    """Counts the beats the service sends."""
+
+    def __init__(self):
+        super().__init__()
+        self.beats: list[float] = []
+
+    def call(self, op, timeout: float = 5.0):
+        if isinstance(op, p.Heartbeat):
+            self.beats.append(time.monotonic())
+        return p.Ok()
+
+
+def test_a_beat_due_within_a_period_of_an_answered_plan_is_put_off_never_dropped():
+    """The hub takes a plan for a heartbeat (``reading.plan`` sets ``last_seen``): while
+    plans keep being answered the service sends no beats; once they stop, it beats again
+    within a period of the last answer."""
+    client, ep = CountingClient(), fake_endpoint()
+    service = Service(ep, client, heartbeat_s=0.2, handler=lambda ep, cmd: None)
+    service.start()
+    try:
+        assert service.registered.wait(5)
+        time.sleep(0.5)
+        assert client.beats, "no beats while no plans were answered"
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:  # a fetch: the hub answers a plan every 50 ms
+            ep.heard_at = time.monotonic()
+            time.sleep(0.05)
+        quiet = [t for t in client.beats if until - 0.8 < t < until]
+        assert not quiet, f"{len(quiet)} beats while plans were being answered"
+        time.sleep(0.6)
+        after = [t for t in client.beats if t > until]
+        assert after and after[0] - until <= 0.2 + 0.1, (after, until)  # a period after the last answer
+    finally:
+        service.stop(join_timeout=1, deregister_timeout=0.1)

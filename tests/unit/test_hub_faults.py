@@ -254,3 +254,4 @@ def test_resolved_replies_come_from_a_cache_that_is_never_stale():
     finally:
         service._sock.close(0)
         service._ctx.term()
+

@@ -132,3 +132,23 @@ def test_a_refused_request_is_answered_at_once_and_never_queued(rig):
     bad = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="nope", rid=7, op=p.Status()))
     [(_, frame)] = service.take(b"x", [bad])
     assert p.decode_reply(frame).body.code == "auth" and not service.backlog
+
+
+def test_a_plan_is_a_heartbeat_as_of_its_arrival_and_a_fenced_one_is_none(rig):
+    """Readers skip the beat due within a period of an answered plan
+    (``endpoint.service``), so the hub takes a plan for a beat, stamped when it arrives
+    (``take``), not when it is served; a plan of another incarnation keeps nobody alive."""
+    clock, hub, service = rig
+    hub.endpoints["b"].info.incarnation = "b-1"
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):  # a beats; b only plans (of a version nobody has)
+        beat(hub, now, "a")
+        clock.now = now
+        assert service.take(b"b", [request(p.Plan(name="b", model="m", version=1, incarnation="b-1"), int(now))]) == []
+        assert sweep_at(clock, service, now) == {"a", "b"}
+    clock.now = 7.0
+    service.take(b"old-b", [request(p.Plan(name="b", model="m", version=1, incarnation="b-0"), 7)])
+    left = set()
+    for now in (7.0, 8.0, 9.0, 10.0, 11.0, 11.5):  # (sweeps a period apart: no stall to excuse)
+        beat(hub, now, "a")
+        left = sweep_at(clock, service, now)
+    assert left == {"a"}  # b: last heard at 6, past EXPIRY; the fenced plan at 7 did not count
