@@ -5,8 +5,8 @@
   live process under a name is refused; a restarted one (new pid) replaces the old.
   The same incarnation registering again (its heartbeat reply was slow, so it was
   unsure the hub still knew it) keeps everything: pins, reads, a pending unpublish.
-- ``heartbeat``: keeps it alive; ``expire(now)`` drops every endpoint silent for longer
-  than ``expiry_s``.
+- ``heartbeat``: keeps it alive, and so does a plan as it arrives (``heard``);
+  ``expire(now)`` drops every endpoint silent for longer than ``expiry_s``.
 - ``excuse``: silence is counted only while the hub listens. When the hub's own
   process heard nothing for a while (descheduled, paused), the beats sent meanwhile are
   still queued, so that time is taken off every endpoint's silence.
