@@ -128,7 +128,7 @@ def batch(n: int) -> int:
     """Verified chunks per progress report for a reader of ``n`` chunks: half of them
     (at least 8). The hub needs our progress only coarsely: children learn of our chunks
     from our notices, not from it, and what it does per report is per report and per
-    chunk reported; a report per half cost the simulated hub at 1,024 rollout GPUs 0.65
+    chunk reported; a report per half cost the simulated hub at 1,024 rollout GPUs 0.67
     x the CPU of one per quarter, for the same time per version (docs/design.md)."""
     return max(8, n // 2)
 
