@@ -95,7 +95,7 @@ class Replica:
         mask = 0
         for c in self.placed.wanted - self.passed:
             mask |= 1 << c
-        return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
+        return p.bitset(mask)
 
     def chunk_count(self) -> Optional[int]:
         """How many global chunk ids the version has, when this replica can tell (a

@@ -137,7 +137,7 @@ class ScheduledFetch(Fetch):
     def _want(self) -> bytes:
         if self.only is None:
             return self.held.want()
-        return self.only.to_bytes(max(1, (self.only.bit_length() + 7) // 8), "little")
+        return p.bitset(self.only)
 
     def _begin(self, chunk: int, source_name: str, tiled: bool) -> None:
         source = self.sources.get(source_name)
