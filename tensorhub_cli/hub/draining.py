@@ -2,7 +2,8 @@
 
 ``unpublish`` is deferred: it stops routing new reads to the replica at once, and an
 ``Acked`` is queued only when ``settle`` finds the drain complete: no pins on the
-replica, the restart grace period over, and, when the replica's version is retained
+replica, the restart grace period over for a replica rebuilt from a re-registration
+(one the hub saw begin has no reads it does not know of), and, when the replica's version is retained
 and would fall short of its policy, a host copy pulled by an agent first (or no agent
 left that could make one). ``settle`` also starts the retention pulls now needed, and
 ``drop_old`` forgets READY versions that fell out of ``keep_latest`` once nobody reads
@@ -108,7 +109,7 @@ def _settle_pass(hub: HubState, now: float, todo: list[Version]) -> set[str]:
 
 
 def _drained(hub: HubState, now: float, v: Version, name: str, is_retained: bool, policy: Policy) -> bool:
-    if v.pins.get(name, 0) or now < hub.grace_until:
+    if v.pins.get(name, 0) or now < hub.grace_until and _restored(v, name):
         return False
     if v.feeds.get(name) and _withdrawing(hub, v, name):
         # A reader the hub drains did not cancel first, as an unpublishing endpoint does:
@@ -119,6 +120,11 @@ def _drained(hub: HubState, now: float, v: Version, name: str, is_retained: bool
     # Short: wait for a pull under way; give up only when no agent can make a copy.
     pulling = any(hub.alive(now, a) and not v.complete(a) for a in v.pulls)
     return not pulling and not _pull_candidates(hub, now, v)
+
+
+def _restored(v: Version, name: str) -> bool:
+    rep = v.replicas.get(name)
+    return rep is None or rep.restored
 
 
 def _pull_candidates(hub: HubState, now: float, v: Version) -> list[str]:
@@ -236,7 +242,7 @@ def _holding_why(hub: HubState, now: float, v: Version, name: str) -> str:
         return f"{v.pins[name]} read(s) from it in flight"
     if v.feeds.get(name):
         return f"{v.reading(name).bit_count()} read(s) of its own in flight"
-    if now < hub.grace_until:
+    if now < hub.grace_until and _restored(v, name):
         return "the hub restarted: waiting for every reader to register again"
     if v.pulls:
         return f"waiting for a retention copy by {', '.join(sorted(v.pulls))}"

@@ -9,9 +9,10 @@ commands (``Send``) are queued; take them with ``take_outbound()`` after each ca
 deliver them.
 
 State is soft (contract 7): it can be rebuilt entirely from endpoints re-registering
-what they hold and what they are reading. For ``grace_s`` after start no unpublish is
-acknowledged, so that every live reader has re-registered its in-flight reads (its
-pins) before a drain can be judged complete.
+what they hold and what they are reading. For ``grace_s`` after start no unpublish of
+a rebuilt replica is acknowledged, so that every live reader has re-registered its
+in-flight reads (its pins) before that drain can be judged complete; a replica the
+hub saw begin has none it does not know of.
 
 ``Hub`` is the one entry point; each operation lives in the module of its concern:
 

@@ -123,7 +123,7 @@ def index(hub: HubState, v: Version, name: str) -> None:
 
 def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
     if h.rank >= 0:
-        add_shard(hub, name, h.model, h.version, h.rank, h.world, h.shards[0])
+        add_shard(hub, name, h.model, h.version, h.rank, h.world, h.shards[0]).replicas[name].restored = True
         return
     if len(h.shards) != h.world:
         raise HubFault("malformed", "a reader's holding must carry every shard's manifest")
@@ -148,6 +148,7 @@ def restore(hub: HubState, now: float, name: str, h: p.Holding) -> None:
         if 0 <= c < v.nchunks:
             held |= 1 << c
     rep = v.replicas.setdefault(name, Replica(endpoint=name))
+    rep.restored = True
     v.respread(held & ~rep.held, hub.endpoints[name].place.dc)
     rep.held |= held
     if h.tiled and h.layout:  # tiles of our layout (contract 9): served to readers of it again

@@ -74,6 +74,10 @@ class Replica:
     # A reader whose plan was answered complete: it has every chunk its boxes need
     # (a reader of another layout holds them in part, so ``held`` never becomes full).
     satisfied: bool = False
+    # Rebuilt from a re-registration (``publishing.restore``): a reader that has not
+    # re-registered yet may still be reading it, so its drain waits out the restart's
+    # grace period. A replica the hub saw begin has no reads it does not know of.
+    restored: bool = False
 
 
 @dataclass

@@ -359,6 +359,23 @@ def test_hub_restart_rebuilds_from_holdings_and_keeps_drains_safe():
     assert [a.endpoint for a in acks(fresh.take_outbound())] == ["t"]
 
 
+def test_a_replica_the_restarted_hub_saw_begin_drains_within_the_grace_period():
+    # Only a rebuilt replica can have reads the hub does not know of (readers that have
+    # not re-registered yet): one published after the start drains at once.
+    fresh = new_hub(now=100.0, grace_s=EXPIRY)
+    reg(fresh, 100, info("t", node="n0"), info("r", node="n1"),
+        holdings=[p.Holding(model="policy", version=1, world=1, shards=[manifest(4)], rank=0)])
+    publish(fresh, 100, "t", 2, manifest(4))
+    fetch_all(fresh, 100, "r", "policy", 2)
+    fresh.unpublish(101, p.Unpublish(name="r", model="policy", version=2))
+    fresh.unpublish(101, p.Unpublish(name="t", model="policy", version=2))
+    fresh.unpublish(101, p.Unpublish(name="t", model="policy", version=1))
+    fresh.settle(101)
+    assert sorted((a.endpoint, a.version) for a in acks(fresh.take_outbound())) == [("r", 2), ("t", 2)]
+    fresh.settle(100 + EXPIRY + 1)
+    assert [(a.endpoint, a.version) for a in acks(fresh.take_outbound())] == [("t", 1)]  # rebuilt: after the grace
+
+
 def test_star_planner_reads_only_from_publishers():
     hub = new_hub(planner="star")
     reg(hub, 0, info("t", node="n0"), info("a", node="n1"), info("b", node="n1"))
