@@ -371,7 +371,10 @@ def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
               scale: bool = typer.Option(False, "--scale", help="also ours at 32 … 4,096 rollout GPUs against "
                                                                  "each run's network-only bound (minutes)"),
               deltas: bool = typer.Option(False, "--deltas", help="also cross-DC over two versions with deltas "
-                                                                   "off and on (params' deltas; minutes)")) -> None:
+                                                                   "off and on (params' deltas; minutes)"),
+              chunk_mib: Optional[float] = typer.Option(None, "--chunk-mib", min=1.0, metavar="MIB",
+                                                        help="chunk size at cluster scale (default: the params', "
+                                                             "1,024 MiB; a chain's lag is a chunk a hop)")) -> None:
     """Flow-level simulation driven by the real hub: standalone, elastic and cross-DC vs their baselines at
     cluster scale, calibrated against docs/measurements (--plot: scale curves to 4,096 GPUs, minutes)."""
     from ..sim.params import ParamsError, load
@@ -386,7 +389,7 @@ def bench_sim(as_json: bool = JsonOpt, plot: Optional[Path] = PlotOpt,
              f"{', then scale curves' if plot else ''} …", err)
     try:
         result = sim_bench.run(gpus=gpus, params_file=params, curves=plot is not None, profile=profile, scale=scale,
-                               deltas=deltas)
+                               deltas=deltas, chunk_mib=chunk_mib)
     except (ValueError, RuntimeError) as exc:  # (SimStuck is a RuntimeError)
         fail(f"th bench sim: {exc}", 1)
     print(json.dumps(result, indent=None if as_json else 2))

@@ -232,7 +232,8 @@ def run_wave(hub: Hub, names: list[str], depth: int, heartbeat_s: float, timeout
             if r.step == "resolve":
                 op: p.Op = p.Resolve(name=r.name, model=MODEL)
             elif r.step == "plan" and schedule:
-                op = p.Plan(name=r.name, model=MODEL, version=r.version, chunks=r.report, schedule=True)
+                op = p.Plan(name=r.name, model=MODEL, version=r.version, schedule=True,
+                            held=p.bitset(p.mask_of(r.report)) if r.report else b"")
                 r.report = []
             elif r.step == "plan":
                 op = p.Plan(name=r.name, model=MODEL, version=r.version, window=window)

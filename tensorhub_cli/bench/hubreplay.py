@@ -224,8 +224,8 @@ def _scheduled_wave(rp: Replay, phase: Phase, names: list[str], number: int, hea
             queue.append(("plan", name))
         else:
             report = landed.pop(name, [])
-            body, cpu = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, chunks=report,
-                                                    schedule=True))
+            body, cpu = rp.call(phase, kind, p.Plan(name=name, model=MODEL, version=number, schedule=True,
+                                                    held=p.bitset(p.mask_of(report)) if report else b""))
             reads = [(r.chunk, r.source, r.ready) for r in body.listed()]
             phase.digest.update(repr((name, reads, body.waiting, body.complete)).encode())
             if body.complete:

@@ -145,13 +145,18 @@ def _cross_dc_deltas(p: SimParams, t: int, r: int, wall: dict) -> dict:
 
 
 def run(gpus: int | None = None, params_file: Path | str | None = None, curves: bool = False, deltas: bool = False,
-        measurements: Path | str | None = None, profile: Path | str | None = None, scale: bool = False) -> dict:
+        measurements: Path | str | None = None, profile: Path | str | None = None, scale: bool = False,
+        chunk_mib: float | None = None) -> dict:
     began, cpu0 = time.perf_counter(), time.process_time()
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
     try:
         p = load(params_file)
+        if chunk_mib is not None:  # (the cluster-scale runs; calibration keeps the testbed's chunks)
+            if not chunk_mib > 0:
+                raise ValueError(f"chunk_mib must be > 0, not {chunk_mib}")
+            p = p.model_copy(update={"model": p.model.model_copy(update={"chunk_mib": float(chunk_mib)})})
         gpus = gpus or p.cluster.gpus
         t, r = W.split(p, gpus)
         wall: dict[str, tuple[float, dict]] = {}

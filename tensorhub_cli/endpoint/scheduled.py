@@ -123,7 +123,8 @@ class ScheduledFetch(Fetch):
             self._stop_read(a.chunk)
         elif isinstance(a, core.Ask):
             op = p.Plan(name=self.ep.name, model=h.model, version=h.version, window=self.window,
-                        chunks=list(a.done), failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
+                        held=p.bitset(p.mask_of(a.done)) if a.done else b"",
+                        failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
                         incarnation=self.ep.incarnation, tiled=list(a.tiled), want=self._want(),
                         layout=h.placed.layout, schedule=True)
             self.asked = op

@@ -16,11 +16,13 @@ a Struct; changing a field's meaning is a new protocol version.
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
 from typing import Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: a scheduled plan is answered in ``Planned.feeds``
+PROTOCOL_VERSION = 3  # 2: a scheduled plan is answered in ``Planned.feeds``; 3: reports as bitsets (``held``)
 # A 10k-tensor manifest is ~1 MiB; a large MoE's (~91k tensors) ~12 MiB, and a reader
 # re-registering after a hub restart sends every shard's. Bigger is a bug or an attack.
 MAX_FRAME = 64 << 20
@@ -188,6 +190,9 @@ class Plan(Msg, tag="plan"):
     # may not hold it yet (``Read.ready``); asked again only with progress or failures
     # (hub/scheduling.py). Ignored for readers of another layout and retention pulls.
     schedule: bool = False
+    # ``chunks`` as a bitset (``bitset``): what a scheduled reader sends, so the hub's
+    # work per report is per report, not per chunk. Either or both may be given.
+    held: bytes = b""
 
 
 class Progress(Msg, tag="progress"):
@@ -199,6 +204,7 @@ class Progress(Msg, tag="progress"):
     incarnation: str = ""
     tiled: list[int] = []  # read in part only (``Plan.tiled``): unpinned, not held
     layout: str = ""
+    held: bytes = b""  # more verified chunks, as a bitset (``Plan.held``)
 
 
 class Cancel(Msg, tag="cancel"):
@@ -336,6 +342,15 @@ class Source(Msg):
 def bitset(mask: int) -> bytes:
     """Chunk ids as a bitset on the wire: little-endian bytes, bit i = chunk i."""
     return mask.to_bytes(max(1, (mask.bit_length() + 7) // 8), "little")
+
+
+def mask_of(chunks) -> int:
+    """The bitset of the chunk ids ``chunks``, as an int (``bitset`` puts it on the wire;
+    one C-level pass, not a Python step per chunk). A negative id raises ValueError."""
+    return reduce(or_, map(_ONE.__lshift__, chunks), 0)
+
+
+_ONE = 1
 
 
 def unbits(data: bytes) -> list[int]:

@@ -35,9 +35,9 @@ _FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "byte
 
 def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     reader = hub.endpoint(op.name, op.incarnation)
-    if op.chunks or op.failed or op.tiled:
+    if op.chunks or op.held or op.failed or op.tiled:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
-                                      failed=op.failed, tiled=op.tiled, layout=op.layout))
+                                      failed=op.failed, tiled=op.tiled, layout=op.layout, held=op.held))
     v = hub.version(op.model, op.version)
     require_ready(v, now < hub.grace_until)
     if op.name in v.draining:
@@ -78,14 +78,13 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     else:
         result = PlanResult()
     # A reader of another layout may hold none of these chunks whole: nobody waits for it to relay them.
-    _account(hub, now, v, reader, result.assigned, relays=not op.layout)
+    _account(hub, now, v, reader, result, relays=not op.layout)
     if result.crossed:
         # One seed per DC for windowed plans; every crossing, scheduled or not, feeds
         # the DC's scheduled readers (``Swarms.feeders``): a chunk crosses once.
         v.seeds[reader.place.dc] = op.name
         if not scheduled:
-            v.swarms.crossed(reader.place.dc, op.name,
-                             sum(1 << c for c, _, level in result.assigned if level == REMOTE))
+            v.swarms.crossed(reader.place.dc, op.name, result.chunks(REMOTE))
     hub.count("plans")
     # Reads restored after a hub restart whose source has not re-registered stay
     # pinned but unlisted: the reader finishes or fails them on its own.
@@ -155,14 +154,13 @@ def _may_cross(v: Version, reader: Endpoint) -> bool:
     return may_cross(seed, reader.name, active)
 
 
-def _account(hub: HubState, now: float, v: Version, reader: Endpoint, assigned, relays: bool = True) -> None:
+def _account(hub: HubState, now: float, v: Version, reader: Endpoint, result: PlanResult,
+             relays: bool = True) -> None:
     """Pin the planned reads (a source at a time) and count their bytes by level,
     tier and publisher."""
-    if not assigned:
+    if not result.assigned and not result.fed:
         return
-    by: dict[tuple[str, int], int] = {}  # (source, level) -> chunks
-    for chunk, source, level in assigned:
-        by[source, level] = by.get((source, level), 0) | 1 << chunk
+    by = result.by_source()
     planned: dict[str, int] = {}  # counter -> bytes, summed here so each counter is touched once
     relayed = 0  # reads served by readers, not publishers: pipelined replication at work
     name = reader.name
@@ -208,15 +206,11 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     v = hub.version(op.model, op.version)
     if not v.assembled:
         raise HubFault("not_ready", f"{v.model}@{v.number} is {v.state}")
-    bad = [c for c in (*op.chunks, *op.tiled) if not 0 <= c < v.nchunks]
-    if bad:
-        raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
-    if op.chunks:  # (only failures: no replica is made for them, e.g. after an unpublish)
+    done, tiled = _ids(v, op.chunks) | _held(v, op.held), _ids(v, op.tiled)
+    if done:  # (only failures: no replica is made for them, e.g. after an unpublish)
         rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         before = rep.held
-        got = 0
-        for c in op.chunks:
-            got |= 1 << c
+        got = done
         rep.held |= got
         hub.unpin(v, op.name, got)
         if rep.rank < 0:
@@ -227,9 +221,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     if op.tiled:  # read in part (another layout): its tiles serve readers of that layout only
         v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         tiles = v.layouts.setdefault(op.layout, {})
-        got = 0
-        for c in op.tiled:
-            got |= 1 << c
+        got = tiled
         tiles[op.name] = tiles.get(op.name, 0) | got
         hub.unpin(v, op.name, got)
         index(hub, v, op.name)
@@ -239,7 +231,7 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
             v.avoid.setdefault(op.name, set()).add(r.source)
             v.swarms.unfeed(hub.endpoints[op.name].place.dc, r.chunk, r.source)
             hub.count("reads_failed")
-    hub.count("chunks_reported", len(op.chunks))
+    hub.count("chunks_reported", done.bit_count())
     was = v.state
     if was != READY and v.refresh() == READY:  # adding chunks cannot uncover a READY version
         hub.event(now, "ready", op.name, v.model, v.number)
@@ -248,6 +240,27 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     elif v.pulls or v.draining:
         settle(hub, now, v)
     return p.Ok()
+
+
+def _ids(v: Version, chunks: list[int]) -> int:
+    """A report's chunk ids as a bitset, or a ``malformed`` fault naming those out of range."""
+    try:
+        mask = p.mask_of(chunks)
+    except ValueError:  # (a negative id: a negative shift)
+        mask = -1
+    if mask < 0 or mask >> v.nchunks:
+        bad = [c for c in chunks if not 0 <= c < v.nchunks]
+        raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
+    return mask
+
+
+def _held(v: Version, data: bytes) -> int:
+    """A report's bitset (``Plan.held``), or a ``malformed`` fault naming a chunk past the version's last."""
+    mask = int.from_bytes(data, "little")
+    if mask >> v.nchunks:
+        bad = p.unbits((mask >> v.nchunks << v.nchunks).to_bytes(len(data), "little"))
+        raise HubFault("malformed", f"chunk ids out of range 0..{v.nchunks - 1}: {bad[:8]}")
+    return mask
 
 
 def cancel(hub: HubState, now: float, op: p.Cancel) -> p.Ok:

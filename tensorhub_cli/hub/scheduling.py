@@ -54,9 +54,8 @@ def assign(hub: HubState, now: float, v: Version, reader: Endpoint, want: int, n
             if parent is None:
                 continue
             mine = stripe & rest
-            level = level_between(reader.place, hub.endpoints[parent].place)
-            for chunk in bits(mine):
-                result.assigned.append((chunk, parent, level))
+            if mine:
+                result.fed.append((parent, level_between(reader.place, hub.endpoints[parent].place), mine))
             rest &= ~mine
     _roots(hub, now, v, reader, rest, avoid, result)
     return result
@@ -72,7 +71,7 @@ def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
     fewest any such publisher allows. One where a publisher of a wanted chunk is in
     another DC: the swarm's roots lie across the DC link, and one chain keeps its
     crossing to one copy (``Swarms.feeders``)."""
-    total = sum(v.chunk_nbytes[c] for c in bits(want))
+    total = v.bytes_of(want)
     fewest = MAX_CHAINS
     for name in v.publishers:
         rep = v.replicas.get(name)
@@ -84,7 +83,7 @@ def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
         where = hub.endpoints.get(name)
         if where is None or where.place.dc != dc:
             return 1
-        fewest = min(fewest, total // max(1, sum(v.chunk_nbytes[c] for c in bits(part))))
+        fewest = min(fewest, total // max(1, v.bytes_of(part)))
     return max(1, fewest)
 
 
@@ -96,8 +95,8 @@ def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int,
     near = choose(needed=chunks, start=0, limit=chunks.bit_count(),
                   levels=_levels(hub, now, v, reader, chunks, avoid, star), may_cross=True)
     result.assigned += near.assigned
-    for chunk, _, _ in near.assigned:
-        chunks &= ~(1 << chunk)
+    result.fed += near.fed
+    chunks &= ~near.chunks()
     if star or not chunks:
         result.waiting = chunks.bit_count()
         return
@@ -112,10 +111,9 @@ def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int,
         far = choose(needed=chunks, start=0, limit=chunks.bit_count(),
                      levels=[(REMOTE, _candidates(hub, now, v, reader, _far(v, dc, chunks), REMOTE, chunks, avoid))],
                      may_cross=True)
-        crossed = 0
-        for chunk, _, _ in far.assigned:
-            crossed |= 1 << chunk
+        crossed = far.chunks()
         result.assigned += far.assigned
+        result.fed += far.fed
         swarms.crossed(dc, reader.name, crossed)
         chunks &= ~crossed
     result.waiting = chunks.bit_count()

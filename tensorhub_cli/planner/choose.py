@@ -49,11 +49,46 @@ def _rank(c: Candidate, i: int) -> tuple:
 @dataclass
 class PlanResult:
     assigned: list[tuple[int, str, int]] = field(default_factory=list)  # (chunk, source, level)
+    # A source's chunks at once, as a schedule assigns them (a tree parent's stripe):
+    # the hub's work per plan stays per source, whatever the chunk count.
+    fed: list[tuple[str, int, int]] = field(default_factory=list)  # (source, level, chunks)
     waiting: int = 0  # needed chunks no allowed source holds (counted when every level was built)
 
     @property
     def crossed(self) -> bool:
-        return any(level == REMOTE for _, _, level in self.assigned)
+        return any(level == REMOTE for _, _, level in self.assigned) or any(
+            level == REMOTE for _, level, _ in self.fed)
+
+    def chunks(self, level: int | None = None) -> int:
+        """The chunks assigned (at ``level`` only, if given), as a bitset."""
+        out = 0
+        for chunk, _, at in self.assigned:
+            if level is None or at == level:
+                out |= 1 << chunk
+        for _, at, chunks in self.fed:
+            if level is None or at == level:
+                out |= chunks
+        return out
+
+    def reads(self) -> list[tuple[int, str, int]]:
+        """Every assigned read, both kinds, as (chunk, source, level) by chunk."""
+        out = list(self.assigned)
+        for source, level, chunks in self.fed:
+            mask = chunks
+            while mask:
+                low = mask & -mask
+                out.append((low.bit_length() - 1, source, level))
+                mask ^= low
+        return sorted(out)
+
+    def by_source(self) -> dict[tuple[str, int], int]:
+        """(source, level) -> the chunks assigned to it, both kinds together."""
+        by: dict[tuple[str, int], int] = {}
+        for source, level, chunks in self.fed:  # (first: a schedule's tree parents come before its roots)
+            by[source, level] = by.get((source, level), 0) | chunks
+        for chunk, source, level in self.assigned:
+            by[source, level] = by.get((source, level), 0) | 1 << chunk
+        return by
 
 
 def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iterable[Candidate]]],
@@ -115,6 +150,18 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
     for cand in ranked:
         shared |= once & cand.held
         once |= cand.held
+    if limit >= needed.bit_count() and not shared & needed and all(
+            c.room >= (c.held & needed).bit_count() for c in ranked):
+        # Every needed chunk has one holder among them and may all be assigned (a
+        # schedule's roots, most often: the publishers' disjoint shards): the greedy
+        # would give each holder its chunks, so give them at once, a source at a time.
+        result.fed = [(c.name, c.level, c.held & needed) for c in ranked if c.held & needed]
+        return result
+    _greedy(result, ranked, needed, shared, start, limit)
+    return result
+
+
+def _greedy(result: PlanResult, ranked: list[Candidate], needed: int, shared: int, start: int, limit: int) -> None:
     # Greedy by source: the cheapest, least-loaded candidate takes the next chunk it
     # holds that is still unassigned, its load grows by one, and it goes back in line.
     heap = [_rank(c, i) for i, c in enumerate(ranked)]
@@ -143,7 +190,6 @@ def choose(needed: int, start: int, limit: int, levels: Iterable[tuple[int, Iter
             heapq.heappush(heap, _rank(cand, i))
         else:
             reserved[cand.level] |= cand.held & left
-    return result
 
 
 def first_bit(mask: int, start: int) -> int:

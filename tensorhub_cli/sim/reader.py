@@ -93,7 +93,8 @@ class ScheduledFetch:
             self.plans += 1
             want = self.want.to_bytes((self.want.bit_length() + 7) // 8, "little") if self.want else b""
             op = p.Plan(name=self.ep.name, model=self.model, version=self.version, window=self.cfg.window,
-                        chunks=a.done, failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
+                        held=p.bitset(p.mask_of(a.done)) if a.done else b"",
+                        failed=[p.Read(chunk=c, source=s) for c, s in a.failed],
                         incarnation=self.ep.name, want=want, schedule=True)
             w.hub.call(op, self._answered)
         elif isinstance(a, core.Start):

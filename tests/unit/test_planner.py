@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorhub_cli.planner import (REMOTE, Asking, Candidate, Limits, Place, Reader, Sources, Walk, choose,
-                                   first_bit, full_held, groups, join, leave, level_between, may_cross, room,
-                                   serving_mask, spread, copies, withheld)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorhub_cli.planner import (REMOTE, Asking, Candidate, Limits, Place, PlanResult, Reader, Sources, Walk,
+                                   choose, first_bit, full_held, groups, join, leave, level_between, may_cross,
+                                   room, serving_mask, spread, copies, withheld)
+from tensorhub_cli.planner.choose import _greedy
 
 A = Place("n1", "r1", "dc1")
 SAME_RACK = Place("n2", "r1", "dc1")
@@ -60,7 +64,7 @@ def test_cheapest_level_serves_first_and_dearer_levels_are_not_built():
             yield n, cands
 
     result = choose(needed=0b1111, start=0, limit=4, levels=lazy(), may_cross=True)
-    assert {s for _, s, _ in result.assigned} == {"near"}
+    assert {s for _, s, _ in result.reads()} == {"near"}
     assert built == [0]  # level 1 was never asked for
 
 
@@ -68,11 +72,11 @@ def test_rarest_chunk_first_and_relays_before_publishers_at_equal_cost():
     a = Candidate("a", 0b11, 2, 0)
     b = Candidate("b", 0b01, 2, 5)
     result = choose(needed=0b11, start=0, limit=1, levels=levels([a, b]), may_cross=True)
-    assert result.assigned == [(1, "a", 2)]  # chunk 1: only a has it, though start points at 0
+    assert result.reads() == [(1, "a", 2)]  # chunk 1: only a has it, though start points at 0
     pub = Candidate("pub", 0b11, 2, 0, publisher=True)
     relay = Candidate("relay", 0b11, 2, 3)
     result = choose(needed=0b11, start=0, limit=1, levels=levels([pub, relay]), may_cross=True)
-    assert result.assigned == [(0, "relay", 2)]  # the trainer is not the one feeding every reader
+    assert result.reads() == [(0, "relay", 2)]  # the trainer is not the one feeding every reader
 
 
 def test_room_caps_a_source_and_load_spreads_the_rest():
@@ -80,7 +84,7 @@ def test_room_caps_a_source_and_load_spreads_the_rest():
     b = Candidate("b", 0b1111, 1, 0)
     result = choose(needed=0b1111, start=0, limit=4, levels=levels([a, b]), may_cross=True)
     by_source = {}
-    for _, s, _ in result.assigned:
+    for _, s, _ in result.reads():
         by_source[s] = by_source.get(s, 0) + 1
     assert by_source == {"a": 1, "b": 3}
 
@@ -89,23 +93,23 @@ def test_a_reader_that_may_not_cross_waits_for_chunks_only_another_dc_has():
     local = Candidate("local", 0b0011, 2, 0)
     remote = Candidate("remote", 0b1111, REMOTE, 0)
     result = choose(needed=0b1111, start=0, limit=4, levels=[(2, [local]), (REMOTE, [remote])], may_cross=False)
-    assert {s for _, s, _ in result.assigned} == {"local"}
+    assert {s for _, s, _ in result.reads()} == {"local"}
     crossing = choose(needed=0b1111, start=0, limit=4, levels=[(2, [local]), (REMOTE, [remote])], may_cross=True)
-    assert crossing.crossed and {s for _, s, _ in crossing.assigned} == {"local", "remote"}
+    assert crossing.crossed and {s for _, s, _ in crossing.reads()} == {"local", "remote"}
 
 
 def test_deferred_chunks_never_cross_a_dc_link():
     remote = Candidate("remote", 0b1111, REMOTE, 0)
     result = choose(needed=0b1111, start=0, limit=4, levels=[(2, []), (REMOTE, [remote])], may_cross=True,
                     deferred=lambda want, enough=0: want & 0b0011)  # busy in-DC holders have chunks 0 and 1
-    assert sorted(c for c, _, _ in result.assigned) == [2, 3]
+    assert sorted(c for c, _, _ in result.reads()) == [2, 3]
 
 
 def test_suspects_serve_only_when_nothing_else_holds_the_chunk():
     bad = Candidate("bad", 0b11, 0, 0, suspect=True)
     good = Candidate("good", 0b01, 2, 9)
     result = choose(needed=0b11, start=0, limit=2, levels=levels([bad], [], [good]), may_cross=True)
-    assert sorted(result.assigned) == [(0, "good", 2), (1, "bad", 0)]
+    assert sorted(result.reads()) == [(0, "good", 2), (1, "bad", 0)]
 
 
 def test_waiting_counts_chunks_no_allowed_source_holds():
@@ -258,3 +262,27 @@ def test_walk_star_offers_only_publishers_with_their_true_level():
     reps = {"pub": Rep(0b11, rank=0), "relay": Rep(0b11)}
     s = sources(reps, {"me": A, "pub": OTHER_DC, "relay": A})
     assert offered(walk(s, 0b11, star=True)) == {"pub": (REMOTE, 0b11)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.booleans()), min_size=1, max_size=6),
+       st.data())
+def test_disjoint_holders_get_their_chunks_at_once_as_the_greedy_would_give_them(specs, data):
+    # A schedule's roots, most often: publishers whose shards do not overlap. ``choose``
+    # assigns each its chunks a source at a time (``fed``); the greedy, chunk by chunk,
+    # gives the same chunks to the same sources.
+    chunks = list(range(24))
+    owner = {c: data.draw(st.integers(-1, len(specs) - 1)) for c in chunks}  # -1: nobody holds it
+    cands = []
+    for i, (level, load, publisher) in enumerate(specs):
+        held = sum(1 << c for c in chunks if owner[c] == i)
+        cands.append(Candidate(f"s{i}", held, level, load, publisher=publisher))
+    needed = data.draw(st.integers(1, (1 << 24) - 1))
+    start = data.draw(st.integers(0, 23))
+    fast = choose(needed=needed, start=start, limit=needed.bit_count(), levels=[(0, cands)], may_cross=True)
+    assert not fast.assigned  # (the fast path ran)
+    slow = PlanResult()
+    ranked = [Candidate(c.name, c.held, c.level, c.load, publisher=c.publisher) for c in cands]
+    _greedy(slow, ranked, needed, 0, start, needed.bit_count())
+    assert fast.reads() == slow.reads()
+    assert fast.waiting == (needed & ~sum(c.held for c in cands)).bit_count()

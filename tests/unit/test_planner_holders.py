@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub_cli.planner import Asking, HolderIndex, Limits, Place, Reader, Sources, Walk, choose, join
-from tensorhub_cli.planner.holders import CHUNK_COST
+from tensorhub_cli.planner.holders import BLOCK, BLOCK_COST
 
 from .test_planner import Ep, Rep
 
@@ -18,13 +18,16 @@ NODES = [Place(f"n{dc}{rack}{node}", f"r{dc}{rack}", f"dc{dc}") for dc in range(
 
 
 def test_relevant_names_exactly_the_holders_of_the_needed_chunks_in_the_dc():
-    # A TP-like DC: 64 holders, 8 slices of 4 chunks each; a reader of slice 3 needs
-    # 4 chunks, which 8 holders hold: the walk is narrowed to those 8.
+    # A TP-like DC: 64 holders, 8 slices of a block and a half each (so slices share
+    # blocks); a reader of slice 3 needs 4 of its chunks, which 8 holders hold: the
+    # walk is narrowed to those 8, not to every holder of the chunks' blocks.
+    width = BLOCK + BLOCK // 2
     index = HolderIndex()
     for i in range(64):
-        index.add(f"h{i}", "dc0", 0b1111 << 4 * (i % 8))
-    index.add("far", "dc1", (1 << 32) - 1)  # another DC holds everything: not offered
-    got = index.relevant("dc0", 0b1111 << 12, walked=64)
+        index.add(f"h{i}", "dc0", (1 << width) - 1 << width * (i % 8))
+    index.add("far", "dc1", (1 << 8 * width) - 1)  # another DC holds everything: not offered
+    needed = 0b1111 << 3 * width + BLOCK // 2 - 2  # two chunks either side of a block's edge
+    got = index.relevant("dc0", needed, walked=64)
     assert got == {f"h{i}" for i in range(64) if i % 8 == 3}
     assert index.relevant("dc0", 0, walked=64) == set()
     assert index.relevant("dc9", 0b1, walked=64) == set()
@@ -36,22 +39,36 @@ def test_relevant_gives_up_where_walking_is_cheaper():
         index.add(f"h{i}", "dc0", 0b11)  # every holder has both chunks
     assert index.relevant("dc0", 0b01, walked=10) is None  # the union would be every holder
     for i in range(10):
-        index.add(f"x{i}", "dc0", 1 << 20 + i)  # one holder a chunk
-    chunks = 20 // CHUNK_COST + 1
-    needed = (1 << chunks) - 1 << 20
-    assert index.relevant("dc0", needed, walked=20) is None  # visiting the chunks costs more than the walk
-    assert index.relevant("dc0", needed, walked=chunks * CHUNK_COST) == {f"x{i}" for i in range(chunks)}
+        index.add(f"x{i}", "dc0", 1 << BLOCK * (i + 1))  # one holder a chunk, a block each
+    blocks = 20 // BLOCK_COST + 1
+    needed = sum(1 << BLOCK * (i + 1) for i in range(blocks))
+    assert index.relevant("dc0", needed, walked=20) is None  # visiting the blocks costs more than the walk
+    assert index.relevant("dc0", needed, walked=blocks * BLOCK_COST) == {f"x{i}" for i in range(blocks)}
+
+
+def test_a_report_costs_the_blocks_it_touches_not_its_chunks():
+    # The hub indexes every report of every reader: a far slice of a big version is
+    # a few blocks, however many chunks (``blocks`` steps once per block).
+    from tensorhub_cli.planner.holders import blocks
+    far = (1 << 3 * BLOCK) - 1 << 100_000 * BLOCK
+    assert list(blocks(far)) == [100_000, 100_001, 100_002]
+    assert list(blocks(1 | 1 << BLOCK - 1 | 1 << 5 * BLOCK)) == [0, 5]
+    index = HolderIndex()
+    index.add("a", "dc0", far)
+    assert index.relevant("dc0", 1 << 100_001 * BLOCK + 7, walked=8) == {"a"}
+    assert index.relevant("dc0", 1 << 100_003 * BLOCK, walked=8) == set()
 
 
 def test_add_skips_what_is_indexed_and_drop_forgets_every_chunk():
     index = HolderIndex()
     index.add("a", "dc0", 0b011)
     index.add("a", "dc0", 0b111)  # the whole holding again, grown by chunk 2
-    index.add("b", "dc0", 0b100)
+    index.add("b", "dc0", 0b100 | 1 << BLOCK)
     assert [index.holders("dc0", c) for c in range(3)] == [{"a"}, {"a"}, {"a", "b"}]
+    assert index.holders("dc0", BLOCK) == {"b"} and index.holders("dc0", BLOCK + 1) == set()
     index.drop("a")
     assert [index.holders("dc0", c) for c in range(3)] == [set(), set(), {"b"}]
-    assert index.relevant("dc0", 0b011, walked=2) == set()
+    assert index.relevant("dc0", 0b011, walked=8) == set()
     index.drop("b")
     assert index.dcs() == []
 
@@ -60,7 +77,9 @@ def test_add_skips_what_is_indexed_and_drop_forgets_every_chunk():
 @given(st.data())
 def test_relevant_is_none_or_exact(data):
     names = [f"h{i}" for i in range(data.draw(st.integers(1, 30)))]
-    held = {n: data.draw(st.integers(0, (1 << CHUNKS) - 1)) for n in names}
+    wide = 3 * BLOCK  # (over several blocks: the index keeps blocks, and answers chunks)
+    held = {n: data.draw(st.integers(0, (1 << wide) - 1) | st.integers(0, 3 * BLOCK - 1).map(lambda c: 1 << c))
+            for n in names}
     dc = {n: data.draw(st.sampled_from(["dc0", "dc1"])) for n in names}
     index = HolderIndex()
     for n in names:
@@ -68,7 +87,7 @@ def test_relevant_is_none_or_exact(data):
     for n in data.draw(st.lists(st.sampled_from(names), unique=True)):
         index.drop(n)
         held[n] = 0
-    needed = data.draw(st.integers(0, (1 << CHUNKS) - 1))
+    needed = data.draw(st.integers(0, (1 << wide) - 1) | st.integers(0, 3 * BLOCK - 1).map(lambda c: 1 << c))
     walked = data.draw(st.integers(1, 40))
     got = index.relevant("dc0", needed, walked)
     assert got is None or got == {n for n in names if dc[n] == "dc0" and held[n] & needed}
@@ -157,7 +176,7 @@ def test_a_walk_narrowed_by_the_index_plans_what_the_full_walk_plans(c):
     full, whole = plan(c)
     narrowed, walk = plan(c, Eager)
     assert walk._relevant is not None or not walk._asked  # narrowed wherever it asked the index
-    assert narrowed.assigned == full.assigned and narrowed.waiting == full.waiting
+    assert narrowed.reads() == full.reads() and narrowed.waiting == full.waiting
     assert walk.busy_held == whole.busy_held
 
 
@@ -168,7 +187,7 @@ def test_a_walk_of_the_other_dcs_holders_plans_what_a_walk_of_every_replica_plan
     # DC's holders: the last level leaves them out, index or not.
     full, whole = plan(c)
     walked, walk = plan(c, Lazy)
-    assert walked.assigned == full.assigned and walked.waiting == full.waiting
+    assert walked.reads() == full.reads() and walked.waiting == full.waiting
     assert walk.busy_held == whole.busy_held
 
 
@@ -192,7 +211,7 @@ def test_deferred_is_every_busy_and_capped_chunk_in_the_dc(c, want):
 def test_a_deferred_answer_cut_short_plans_what_the_whole_answer_plans(c):
     whole, _ = plan(c, whole_deferred=True)
     short, _ = plan(c)
-    assert short.assigned == whole.assigned and short.waiting == whole.waiting
+    assert short.reads() == whole.reads() and short.waiting == whole.waiting
 
 
 def test_deferred_stops_at_the_busy_chunks_once_they_are_enough():
@@ -204,7 +223,7 @@ def test_deferred_stops_at_the_busy_chunks_once_they_are_enough():
              serving={"relay": {0: 1, 1: 1}}, draining=set(), dead=set(), needed=0b1111, avoid=set(), mine={},
              may_cross=True, limit=4, start=0)
     result, walk = plan(c)
-    assert result.assigned == [] and walk.busy_held == 0b0011
+    assert result.reads() == [] and walk.busy_held == 0b0011
     assert walk.deferred(0b1111, enough=2) == 0b0011  # two busy chunks are enough: the capped source is not asked
     assert walk.deferred(0b1111, enough=3) == 0b1111
     assert walk.deferred(0b1111) == 0b1111
