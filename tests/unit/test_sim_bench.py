@@ -63,3 +63,13 @@ def test_plot_writes_a_png(small, tmp_path):
     out = tmp_path / "c.png"
     sim.plot(result, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chunk_mib_sets_the_chunk_of_the_cluster_scale_runs(small, tmp_path):
+    measured = tmp_path / "m"
+    measured.mkdir()
+    halves = sim.run(params_file=small, measurements=measured, chunk_mib=32)
+    assert halves["chunk_bytes"] == 32 << 20
+    assert halves["workloads"]["standalone"]["ours_stall_s"] > 0
+    with pytest.raises(ValueError, match="chunk_mib must be > 0"):
+        sim.run(params_file=small, measurements=measured, chunk_mib=0)
