@@ -2,10 +2,10 @@
 
 ``unpublish`` is deferred: it stops routing new reads to the replica at once, and an
 ``Acked`` is queued only when ``settle`` finds the drain complete: no pins on the
-replica, the restart grace period over for a replica rebuilt from a re-registration
-(one the hub saw begin has no reads it does not know of), and, when the replica's version is retained
-and would fall short of its policy, a host copy pulled by an agent first (or no agent
-left that could make one). ``settle`` also starts the retention pulls now needed, and
+replica; for a replica rebuilt from a re-registration, the restart grace period over
+(one the hub saw begin has no reads it does not know of); and, when the replica's
+version is retained and would fall short of its policy, a host copy pulled by an
+agent first (or no agent left that could make one). ``settle`` also starts the retention pulls now needed, and
 ``drop_old`` forgets READY versions that fell out of ``keep_latest`` once nobody reads
 them, telling agents to discard their copies.
 

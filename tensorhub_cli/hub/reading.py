@@ -210,9 +210,8 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     if done:  # (only failures: no replica is made for them, e.g. after an unpublish)
         rep = v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         before = rep.held
-        got = done
-        rep.held |= got
-        hub.unpin(v, op.name, got)
+        rep.held |= done
+        hub.unpin(v, op.name, done)
         if rep.rank < 0:
             v.respread(rep.held & ~before, hub.endpoints[op.name].place.dc)
         if rep.held == v.full:
@@ -221,9 +220,8 @@ def progress(hub: HubState, now: float, op: p.Progress) -> p.Ok:
     if op.tiled:  # read in part (another layout): its tiles serve readers of that layout only
         v.replicas.setdefault(op.name, Replica(endpoint=op.name))
         tiles = v.layouts.setdefault(op.layout, {})
-        got = tiled
-        tiles[op.name] = tiles.get(op.name, 0) | got
-        hub.unpin(v, op.name, got)
+        tiles[op.name] = tiles.get(op.name, 0) | tiled
+        hub.unpin(v, op.name, tiled)
         index(hub, v, op.name)
     for r in op.failed:  # contract 5: a corrupt or failed read is re-planned elsewhere
         if 0 <= r.chunk < v.nchunks and v.source_of(op.name, r.chunk) == r.source:

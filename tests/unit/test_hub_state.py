@@ -427,7 +427,13 @@ def test_progress_with_bad_chunk_ids_changes_nothing():
     publish(hub, 0, "t", 1, manifest(2))
     with pytest.raises(HubFault, match="out of range"):
         hub.progress(0, p.Progress(name="r", model="policy", version=1, chunks=[0, 7]))
+    with pytest.raises(HubFault, match=r"out of range 0\.\.1: \[-1\]"):
+        hub.progress(0, p.Progress(name="r", model="policy", version=1, chunks=[0, -1]))
+    with pytest.raises(HubFault, match=r"out of range 0\.\.1: \[9\]"):  # a bitset report, chunk 9 past the end
+        hub.plan(0, p.Plan(name="r", model="policy", version=1, schedule=True, held=p.bitset(0b1000000001)))
     assert "r" not in hub.models["policy"][1].replicas
+    hub.plan(0, p.Plan(name="r", model="policy", version=1, schedule=True, held=p.bitset(0b11)))
+    assert hub.models["policy"][1].replicas["r"].held == 0b11  # reported as a bitset: held
 
 
 def test_second_live_process_cannot_take_a_name():
