@@ -26,7 +26,7 @@ plot            the curves as a PNG
 
 Where the simulation is coarse, on purpose: chunks are the unit (1 GiB by default at
 cluster scale, so a 2 TB version is 2,048 chunks and a 1,024-GPU run stays within
-minutes); a transfer is a flow with no latency of its own (the plan round trip and the
+minutes; ``th bench sim --chunk-mib`` sets another, and a chain's lag is a chunk a hop); a transfer is a flow with no latency of its own (the plan round trip and the
 checksum are separate costs); rates are recomputed at most every ``quantum_frac`` of a
 chunk's transfer time; memory registration, process start and the engine's own CPU are
 not modelled, except in calibration, where the testbed's one host is a link every
