@@ -326,7 +326,7 @@ def logs(node: str = typer.Argument(..., help="node name, or 'hub'"), cluster: O
          lines: int = typer.Option(50, "-n", "--lines", min=0, metavar="N",
                                    help="lines of each log to print first")) -> None:
     """Print (or follow) the logs of the processes on NODE (over ssh for ssh clusters)."""
-    from .launch.cluster import logs as node_logs
+    from .launch.logs import logs as node_logs
     from .launch.ssh import SshError
 
     name, state = load_running(cluster)
