@@ -45,6 +45,7 @@ class Answer:
     reads: list  # of (chunk, source, ready, tiled)
     complete: bool = False
     first: int = 0  # read from this chunk on, ascending, wrapping round (``Planned.first``)
+    serial: bool = False  # one read at a time (``Planned.serial``: we head a chain)
 
 
 @dataclass(slots=True)
@@ -159,6 +160,7 @@ class Reader:
     asked: bool = False
     over: bool = False
     first: int = 0  # the hub's ``Planned.first``: where our reading order starts
+    serial: bool = False  # the hub's ``Planned.serial``: a window of one
     wake_at: float = float("inf")
     asks: int = 0
     # Asking again for chunks nobody could feed yet (a version still assembling, every
@@ -201,7 +203,7 @@ class Reader:
                 out.append(Done())
                 return
             before = len(self.by[WANTED])
-            self.first = ev.first
+            self.first, self.serial = ev.first, ev.serial
             self._answer(now, ev.reads, out)
             gained = len(self.by[WANTED]) < before
             self.idle_s = 0.0 if gained else min(max(0.005, self.idle_s * 2), 0.5)
@@ -277,7 +279,7 @@ class Reader:
             self._fail(c, now)  # its source fell behind: the hub re-parents it
 
     def _start(self, now: float, out: list) -> None:
-        room = self.window - len(self.by[READING])
+        room = (1 if self.serial else self.window) - len(self.by[READING])
         if room <= 0 or not self.by[READY]:
             return
         # Spread over sources (fewest of our reads on it first), and from one source

@@ -275,7 +275,7 @@ class ScheduledFetch(Fetch):
                         h.reading.setdefault(r.chunk, r.source)
             self.bases.update((r.chunk, r.base) for r in reads)
             return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in reads], planned.complete,
-                               planned.first)
+                               planned.first, planned.serial)
         if kind == "refused":
             return core.Refused(item[1])
         if kind == "noticed":

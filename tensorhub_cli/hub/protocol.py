@@ -318,6 +318,7 @@ class Planned(Msg, tag="planned"):
     # Read from this chunk on, ascending, wrapping round: a schedule's chains side by
     # side start at different publishers; a chain's members share it (0: from the lowest).
     first: int = 0
+    serial: bool = False  # one read at a time: the reader heads a chain (``Swarms.serial``)
     feeds: list[Feed] = []
 
     def listed(self) -> list[Read]:

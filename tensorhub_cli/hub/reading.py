@@ -97,6 +97,7 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         sources=[_source(hub, n) for n in sorted(feeds)],
         waiting=result.waiting,
         first=v.swarms.first(op.name) if scheduled else 0,
+        serial=scheduled and v.swarms.serial(op.name),
     )
 
 

@@ -50,7 +50,8 @@ def assign(hub: HubState, now: float, v: Version, reader: Endpoint, want: int, n
             return _usable(hub, now, v, name)
 
         for stripe, parent in swarms.join(reader.name, reader.place.dc, want, usable, avoid,
-                                          chains=lambda: heads(hub, v, reader.place.dc, want)):
+                                          chains=lambda: heads(hub, v, reader.place.dc, want),
+                                          local=lambda: local(hub, v, reader.place.dc, want)):
             if parent is None:
                 continue
             mine = stripe & rest
@@ -85,6 +86,18 @@ def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
             return 1
         fewest = min(fewest, total // max(1, v.bytes_of(part)))
     return max(1, fewest)
+
+
+def local(hub: HubState, v: Version, dc: str, want: int) -> bool:
+    """Whether every publisher of a chunk of ``want`` is in ``dc``."""
+    for name in v.publishers:
+        rep = v.replicas.get(name)
+        if rep is None or rep.rank < 0 or rep.rank >= len(v.offsets) or not want & v.shard_mask(rep.rank):
+            continue
+        where = hub.endpoints.get(name)
+        if where is None or where.place.dc != dc:
+            return False
+    return True
 
 
 def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int, avoid, result: PlanResult,

@@ -69,6 +69,7 @@ class Member:
     name: str
     index: int  # join order within its swarm
     slots: dict[int, int]  # stripe -> children it may still take there
+    leads: bool = False  # it heads a chain: every stripe from the roots
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class Swarm:
     chains: int = 1
     tails: list[str | None] = field(default_factory=list)
     starts: dict[int, int] = field(default_factory=dict)  # chain -> its first chunk (``Swarms.first``)
+    local: bool = False  # its roots are in its DC (``Swarms.serial``)
 
 
 @dataclass
@@ -101,19 +103,21 @@ class Swarms:
         return name in self.of
 
     def join(self, name: str, dc: str, want: int, usable: Callable[[str], bool],
-             avoid: Collection[str] = (), chains: Callable[[], int] = lambda: 1) -> list[tuple[int, str | None]]:
+             avoid: Collection[str] = (), chains: Callable[[], int] = lambda: 1,
+             local: Callable[[], bool] = lambda: False) -> list[tuple[int, str | None]]:
         """``name`` joins the swarm of (dc, want): per stripe, the chunks and the tree
         parent that feeds them (None: the stripe goes to the roots). ``usable(parent)``
         says whether a parent may still feed anyone (alive, not draining): those that
         may not leave the swarm's open lists for good; ``avoid`` (parents that failed
         this reader) are passed over for this reader only. ``chains()``: how many
-        chains a new swarm runs (k = 1), asked once, when the swarm forms."""
+        chains a new swarm runs (k = 1), and ``local()`` whether its roots are in its
+        DC, each asked once, when the swarm forms."""
         swarm = self.by_key.get((dc, want))
         if swarm is None:
             stripes = deal(want, self.k)
             n = max(1, chains()) if self.k == 1 else 1
             swarm = self.by_key[(dc, want)] = Swarm(dc, want, stripes, open=[deque() for _ in stripes],
-                                                    chains=n, tails=[None] * n)
+                                                    chains=n, tails=[None] * n, local=local())
         if swarm.chains > 1:
             return [(swarm.stripes[0], self._chain(swarm, name, usable, avoid))]
         out: list[tuple[int, str | None]] = []
@@ -126,7 +130,7 @@ class Swarms:
             # first interior member of each other stripe, so the roots (often one
             # trainer's link) send the swarm one copy, not one plus a stripe per stripe.
             slots.update({s: 1 for s in range(1, self.k)})
-        me = Member(name, index, slots)
+        me = Member(name, index, slots, leads=all(parent is None for _, parent in out))
         swarm.members[name] = me
         for s in sorted(slots):
             swarm.open[s].append(me)
@@ -151,6 +155,20 @@ class Swarms:
             start = swarm.starts[c] = (rest & -rest).bit_length() - 1 if rest else 0
         return start
 
+    def serial(self, name: str) -> bool:
+        """Whether ``name`` reads one chunk at a time: it heads a chain fed by roots in
+        its DC. Its window's reads would share its link and land together a window's
+        chunk times later, and its child, which takes each chunk as it lands, starts
+        that much later (measured: a window of 4 cost the simulated chain 4 chunk times
+        on its first hop, 1 on each other); one read at a time fills the link as well,
+        each landing a chunk time after the last. Not across a DC link, where one read
+        may not fill it."""
+        swarm = self.of.get(name)
+        if swarm is None or not swarm.local:
+            return False
+        me = swarm.members.get(name)
+        return me is not None and me.leads
+
     def _chain(self, swarm: Swarm, name: str, usable: Callable[[str], bool], avoid: Collection[str]) -> str | None:
         """``name`` joins the next chain behind its tail (None: it heads that chain, fed
         by the roots); a tail that may not feed it (dead, draining, avoided) is skipped,
@@ -158,7 +176,7 @@ class Swarms:
         c = len(swarm.members) % swarm.chains
         tail = swarm.tails[c]
         parent = tail if tail is not None and tail not in avoid and usable(tail) else None
-        swarm.members[name] = Member(name, len(swarm.members), {})
+        swarm.members[name] = Member(name, len(swarm.members), {}, leads=parent is None)
         swarm.tails[c] = name
         self.of[name] = swarm
         return parent

@@ -105,11 +105,12 @@ def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[
 
 def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, planner: str, node_mbit: float,
                    rack_mbit: float | None, eff: dict[str, float], host_bytes_per_s: float | None,
-                   protocol: str | None = None) -> World:
+                   protocol: str | None = None, serial_heads: bool = True) -> World:
     per, _ = testbed_layout(nodes, racks)
     tb = params.testbed
     base = tb.schedule_fetch if protocol == "schedule" else tb.fetch
-    fetch = base.model_copy(update={"window": window, **({"protocol": protocol} if protocol else {})})
+    fetch = base.model_copy(update={"window": window, "serial_heads": serial_heads,
+                                    **({"protocol": protocol} if protocol else {})})
     return World(params, [nodes], planner=planner, fetch=fetch,
                  fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s), overhead_s=tb.request_overhead_s,
                  exact=True)
@@ -118,16 +119,16 @@ def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, pl
 def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk_bytes: int, window: int,
                planner: str, node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
                nodes: int = 8, racks: int = 2, host_bytes_per_s: float | None = None,
-               protocol: str | None = None) -> list[list[float]]:
+               protocol: str | None = None, serial_heads: bool = True) -> list[list[float]]:
     """Per round, each reader's fetch (seconds from its start until it holds every
     chunk), readers named by testbed node ("n3"). The publisher (and the hub) on n1.
     A round's readers start together once the round before has ended, and keep what
     they fetched: later rounds may read from them (an RL joiner after the standing
     rollouts). With ``host_bytes_per_s`` every transfer also shares the one host's CPU
-    (``host_rate``)."""
+    (``host_rate``). ``serial_heads``: as ``Fetch.serial_heads``."""
     world = _testbed_world(params, nodes=nodes, racks=racks, window=window, planner=planner, node_mbit=node_mbit,
                            rack_mbit=rack_mbit, eff=eff or efficiencies(params, {}), host_bytes_per_s=host_bytes_per_s,
-                           protocol=protocol)
+                           protocol=protocol, serial_heads=serial_heads)
     pub = world.endpoint("publisher", 0, "trainer")
     eps = [[world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in names] for names in rounds]
     sc.register(world, [pub, *(ep for names in eps for ep in names)])
@@ -144,14 +145,15 @@ def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk
 def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
                 node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
                 nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None,
-                protocol: str | None = None) -> float:
+                protocol: str | None = None, serial_heads: bool = True) -> float:
     """Seconds from the fetches' start until the last reader holds every chunk: the
     fan-out bench's readers (``bench.fanout``'s order) all starting at once."""
     nodes = nodes or readers + 1
     _, order = testbed_layout(nodes, racks)
     return max(loop_times(params, rounds=[order[:readers]], nbytes=nbytes, chunk_bytes=chunk_bytes, window=window,
                           planner=planner, node_mbit=node_mbit, rack_mbit=rack_mbit, eff=eff, nodes=nodes,
-                          racks=racks, host_bytes_per_s=host_bytes_per_s, protocol=protocol)[0])
+                          racks=racks, host_bytes_per_s=host_bytes_per_s, protocol=protocol,
+                          serial_heads=serial_heads)[0])
 
 
 def broadcast_time(*, readers: int, nbytes: int, node_mbit: float, rack_mbit: float | None,
@@ -210,10 +212,12 @@ def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None) ->
             if arm == "broadcast":
                 pred = broadcast_time(readers=row["readers"], **shape)
             else:
-                # (files from before readers scheduled say nothing: the windowed loop)
+                # (files from before readers scheduled say nothing: the windowed loop; from
+                # before chain heads read one chunk at a time, no "heads")
                 pred = fanout_time(params, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
                                    window=res["window"], planner="ros" if arm == "ours" else "star",
-                                   host_bytes_per_s=host, protocol=res.get("protocol", "window"), **shape)
+                                   host_bytes_per_s=host, protocol=res.get("protocol", "window"),
+                                   serial_heads=res.get("heads") == "serial", **shape)
             meas = row[key]
             out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
                         "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})

@@ -129,7 +129,7 @@ class ScheduledFetch:
             return self._end(body)
         self.ep.heard_at = self.world.loop.now
         self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.listed()], body.complete,
-                               body.first)])
+                               body.first, body.serial and self.cfg.serial_heads)])
 
     # --- what the network, the verifiers and the sources report -----------------------------
     def landed(self, chunk: int, fid: int, rebuild_s: float = 0.0) -> None:

@@ -170,6 +170,9 @@ def test_a_sharded_trainer_feeds_chains_side_by_side_each_from_its_own_head():
     # the heads start on different publishers; a chain's members read in their head's order
     firsts = [plans[f"r{i}"].first for i in range(8)]
     assert len(set(firsts[:4])) == 4 and firsts[4:] == firsts[:4], firsts
+    # the heads read one chunk at a time (each lands a chunk time after the last, for
+    # its child to take); the members behind them read from one relay anyway
+    assert [plans[f"r{i}"].serial for i in range(8)] == [True] * 4 + [False] * 4
     sent: dict[str, int] = {}
     for got in plans.values():
         for r in got.reads:
@@ -182,6 +185,7 @@ def test_one_chain_where_a_publisher_of_the_want_is_in_another_dc():
     plans = [_schedule(hub, f"r{i}") for i in range(4)]
     assert [{r.source for r in got.reads} for got in plans[1:]] == [{"r0"}, {"r1"}, {"r2"}]
     assert {got.first for got in plans} == {0}
+    assert not any(got.serial for got in plans), "across a DC link one read may not fill it: the whole window"
 
 
 def test_a_chain_whose_tail_is_gone_gets_a_new_head():

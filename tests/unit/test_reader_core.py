@@ -111,6 +111,15 @@ def test_a_holder_that_had_the_chunks_when_scheduled_takes_the_whole_window():
     assert sorted(a.chunk for a in out if isinstance(a, core.Start)) == [0, 1, 2, 3]
 
 
+def test_a_chain_head_reads_one_chunk_at_a_time_so_each_lands_for_its_child_a_chunk_time_apart():
+    r = core.Reader(0b1111, window=4, per_source=1)
+    r.step(0.0)
+    out = r.step(0.0, [core.Answer([(c, f"pub{c}", True, False) for c in range(4)], serial=True)])
+    assert [a.chunk for a in out if isinstance(a, core.Start)] == [0]
+    out = r.step(0.1, [core.Landed(0, True)])
+    assert [a.chunk for a in out if isinstance(a, core.Start)] == [1], "the next starts once one lands"
+
+
 class ReaderMachine(RuleBasedStateMachine):
     """Random events against the core; the truth is which transfers really run."""
 
@@ -128,6 +137,8 @@ class ReaderMachine(RuleBasedStateMachine):
         for a in actions:
             if isinstance(a, core.Start):
                 assert a.chunk not in self.running, f"chunk {a.chunk} read twice at once (or under a stopping read)"
+                live = sum(1 for c in self.running if self.r.state[c] == core.READING)
+                assert live < (1 if self.r.serial else self.r.window), "a start beyond the window (one when serial)"
                 self.running[a.chunk] = a.source
             elif isinstance(a, core.Verify):
                 self.verifying.add(a.chunk)
@@ -149,7 +160,7 @@ class ReaderMachine(RuleBasedStateMachine):
         self.asked = False
         chunks = data.draw(st.lists(st.integers(0, 5), unique=True))
         reads = [(c, data.draw(st.sampled_from("pq")), data.draw(st.booleans()), False) for c in chunks]
-        self.step(core.Answer(reads))
+        self.step(core.Answer(reads, serial=data.draw(st.booleans())))
 
     @rule(source=st.sampled_from("pq"), mask=st.integers(0, 63))
     def notice(self, source, mask):
