@@ -21,6 +21,11 @@ from .retention import Policy
 from .machine import Hub, HubConfig
 
 
+# Readers that start together ask within tens of milliseconds of each other (the
+# testbed's seven: well inside this); the first waits this long for its answer.
+MUSTER_S = 0.05
+
+
 def hub_config(args) -> HubConfig:
     policies = {}
     for item in args.retain:
@@ -36,8 +41,11 @@ def hub_config(args) -> HubConfig:
             deltas[model] = mode
         else:
             default = mode
+    if not 0 <= args.muster_s <= 10:
+        raise SystemExit(f"hub: --muster-s {args.muster_s}: must be between 0 and 10 seconds")
     return HubConfig(cluster=args.cluster, expiry_s=args.expiry_s, round_timeout_s=args.round_timeout_s,
-                     planner=args.planner, policies=policies, deltas=deltas, default_deltas=default)
+                     planner=args.planner, policies=policies, deltas=deltas, default_deltas=default,
+                     muster_s=args.muster_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retain", action="append", default=[], metavar="MODEL=KEEP:MIN",
                     help="retention policy of a model: keep_latest and min_reliable_copies")
     ap.add_argument("--planner", choices=("ros", "star"), default="ros")
+    ap.add_argument("--muster-s", type=float, default=MUSTER_S,
+                    help="a new swarm's first readers that ask within this long are laid out together, "
+                         "sorted by rack and node (0: each placed as it asks)")
     ap.add_argument("--deltas", action="append", default=[], metavar="[MODEL=]MODE",
                     help="reads sent as deltas: off, remote (across DC links; the default) or all; "
                          "MODEL= sets one model's (the spec's models[].deltas)")

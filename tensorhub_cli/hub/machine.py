@@ -1,10 +1,11 @@
 """The hub's state machine: pure, no sockets, time injected.
 
 Protocol: every operation is a method ``op(now, msg)`` returning a reply body, or
-``None`` for an unpublish or a withdrawal whose answer is deferred, or raising
+``None`` for an unpublish, a withdrawal or a plan whose answer is deferred, or raising
 ``HubFault`` with the state unchanged. ``expire(now)`` and ``settle(now)`` must be
-called periodically (the service's sweep). Deferred acknowledgements (``Acked``: an
-unpublish; ``Answered``: a withdrawal, for its ``withdraw_key``) and hub → endpoint
+called periodically (the service's sweep), and ``muster(now)`` once ``due()`` has
+passed. Deferred acknowledgements (``Acked``: an unpublish; ``Answered``: a
+withdrawal, for its ``withdraw_key``, or a plan, for ``mustering.key``) and hub → endpoint
 commands (``Send``) are queued; take them with ``take_outbound()`` after each call and
 deliver them.
 
@@ -21,6 +22,7 @@ membership    register, heartbeat, deregister, expire, excuse (contracts 6, 7)
 publishing    publish, shard assembly, restore on re-register (1, 7)
 resolving     resolve, latest, group rounds (1, 2)
 reading       plan (through ``planner``), progress, cancel (5, 6, 8)
+mustering     a new swarm's first plans, laid out together (8)
 draining      unpublish, drain, retention pulls, dropping old versions (3, 4)
 commands      sync, load, withdraw, note, report (operator → endpoints)
 views         versions, status
@@ -29,7 +31,7 @@ views         versions, status
 
 from __future__ import annotations
 
-from . import commands, draining, membership, publishing, reading, resolving, views
+from . import commands, draining, membership, mustering, publishing, reading, resolving, views
 from . import protocol as p
 from .faults import Acked, Answered, HubFault, Send
 from .state import HubConfig, HubState, withdraw_key
@@ -78,8 +80,17 @@ class Hub(HubState):
         draining.settle(self, now)
 
     # --- reads ---------------------------------------------------------------------
-    def plan(self, now: float, op: p.Plan) -> p.Planned:
+    def plan(self, now: float, op: p.Plan) -> p.Planned | None:
+        """None: parked in its swarm's muster, answered by ``muster`` as an ``Answered``."""
         return reading.plan(self, now, op)
+
+    def due(self) -> float | None:
+        """When ``muster`` has plans to answer next (None: no muster is open)."""
+        return mustering.due(self)
+
+    def muster(self, now: float) -> None:
+        """Answer the musters due by ``now`` (``Answered`` for each parked plan)."""
+        mustering.close(self, now, reading.plan)
 
     def progress(self, now: float, op: p.Progress) -> p.Ok:
         return reading.progress(self, now, op)

@@ -18,7 +18,7 @@ from operator import attrgetter
 
 from ..planner import LEVELS, REMOTE, Limits, PlanResult, Reader, Sources, Walk, choose, may_cross
 from . import protocol as p
-from . import scheduling
+from . import mustering, scheduling
 from .deltas import Bases
 from .draining import drop_old, settle
 from .faults import HubFault
@@ -33,7 +33,8 @@ _TIER_KEYS = {tier: f"bytes_planned.tier.{tier}" for tier in ("device", "host")}
 _FROM_PUBLISHERS = {True: "bytes_planned.from_publishers.reliable", False: "bytes_planned.from_publishers.spot"}
 
 
-def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
+def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned | None:
+    """None: a first scheduled plan parked in its swarm's muster (``mustering``)."""
     reader = hub.endpoint(op.name, op.incarnation)
     if op.chunks or op.held or op.failed or op.tiled:
         progress(hub, now, p.Progress(name=op.name, model=op.model, version=op.version, chunks=op.chunks,
@@ -46,9 +47,12 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
         raise HubFault("draining", f"{op.name} is unpublishing {v.model}@{v.number}; "
                                    "it cannot fetch that version until the unpublish is acknowledged")
     rep = v.replicas.get(op.name)
+    want = int.from_bytes(op.want, "little") & v.full if op.want else v.full
+    scheduled = op.schedule and not op.layout and op.name not in v.pulls
+    if rep is None and scheduled and mustering.park(hub, now, v, op, reader.place.dc, want):
+        return None  # (not a holder yet: nothing to drain, nothing pinned)
     if rep is None:  # a reader is a (partial) holder from its first plan on
         rep = v.replicas[op.name] = Replica(endpoint=op.name)
-    want = int.from_bytes(op.want, "little") & v.full if op.want else v.full
     if rep.held & want == want:
         rep.satisfied = True
         return p.Planned(reads=[], sources=[], complete=True)
@@ -60,7 +64,6 @@ def plan(hub: HubState, now: float, op: p.Plan) -> p.Planned:
     window = max(1, min(op.window, hub.config.max_window))
     needed = want & ~rep.held & ~assigned
     limit = window - assigned.bit_count()
-    scheduled = op.schedule and not op.layout and op.name not in v.pulls
     crossing = _may_cross(v, reader)  # (also when nothing is planned: it hands a stalled seed's role on)
     if scheduled:
         result = scheduling.assign(hub, now, v, reader, want, want & ~rep.held & ~assigned)

@@ -128,6 +128,7 @@ class Version:
     # Scheduled readers (``Plan.schedule``): their swarms and each DC's feeders
     # (``planner.schedule``; soft state: a restarted hub schedules afresh).
     swarms: Swarms = field(default_factory=Swarms)
+    mustered: set[tuple[str, int]] = field(default_factory=set)  # swarms (dc, want) whose muster closed
     # ``manifests()`` encoded, as every ``Resolved`` reply carries them, cached by the
     # service (a large model's take milliseconds to encode). Valid while ``shards`` are:
     # they never change once assembled (an equal manifest may replace one; ``set_shard``

@@ -74,14 +74,7 @@ def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
     crossing to one copy (``Swarms.feeders``)."""
     total = v.bytes_of(want)
     fewest = MAX_CHAINS
-    for name in v.publishers:
-        rep = v.replicas.get(name)
-        if rep is None or rep.rank < 0 or rep.rank >= len(v.offsets):
-            continue
-        part = want & v.shard_mask(rep.rank)
-        if not part:
-            continue
-        where = hub.endpoints.get(name)
+    for part, where in publishers_of(hub, v, want):
         if where is None or where.place.dc != dc:
             return 1
         fewest = min(fewest, total // max(1, v.bytes_of(part)))
@@ -90,14 +83,18 @@ def heads(hub: HubState, v: Version, dc: str, want: int) -> int:
 
 def local(hub: HubState, v: Version, dc: str, want: int) -> bool:
     """Whether every publisher of a chunk of ``want`` is in ``dc``."""
+    return all(where is not None and where.place.dc == dc for _, where in publishers_of(hub, v, want))
+
+
+def publishers_of(hub: HubState, v: Version, want: int):
+    """(its chunks of ``want``, its ``Endpoint`` or None) for each publisher holding some."""
     for name in v.publishers:
         rep = v.replicas.get(name)
-        if rep is None or rep.rank < 0 or rep.rank >= len(v.offsets) or not want & v.shard_mask(rep.rank):
+        if rep is None or rep.rank < 0 or rep.rank >= len(v.offsets):
             continue
-        where = hub.endpoints.get(name)
-        if where is None or where.place.dc != dc:
-            return False
-    return True
+        part = want & v.shard_mask(rep.rank)
+        if part:
+            yield part, hub.endpoints.get(name)
 
 
 def _roots(hub: HubState, now: float, v: Version, reader: Endpoint, chunks: int, avoid, result: PlanResult,

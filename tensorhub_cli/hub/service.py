@@ -41,6 +41,7 @@ import zmq
 from . import protocol as p
 from .faults import Acked, HubFault, Send
 from .machine import Answered, Hub, withdraw_key
+from .mustering import key as muster_key
 
 log = logging.getLogger("tensorhub.hub")
 BATCH = 256  # queued ops run per turn of the loop, at most
@@ -92,7 +93,8 @@ class HubService:
         # both take this lock (uncontended but for scrapes: ~0.1 µs an op).
         self.lock = threading.Lock()
         self.idents: dict[str, bytes] = {}
-        # deferred answers: (name, model, version) of an Unpublish, or a Withdraw's withdraw_key
+        # deferred answers: (name, model, version) of an Unpublish, a Withdraw's withdraw_key,
+        # or a first Plan parked in its swarm's muster (``mustering.key``)
         self.waiters: dict[tuple, list[tuple[bytes, int]]] = {}
         # ops taken off the socket, not run yet (heartbeats never wait here)
         self.backlog: deque[tuple[bytes, p.Request]] = deque()
@@ -206,10 +208,10 @@ class HubService:
             self.idents[name] = ident
         self.hub.count("ops")
         out = []
-        if body is None:  # deferred: an unpublish waiting for its drain, a withdrawal for its replicas to go
-            op = req.op
+        if body is None:  # deferred: an unpublish waiting for its drain, a withdrawal for its replicas to go,
+            op = req.op  # a plan for its muster to close
             key = withdraw_key(op.model, op.version, op.node) if isinstance(op, p.Withdraw) else (
-                op.name, op.model, op.version)
+                muster_key(op) if isinstance(op, p.Plan) else (op.name, op.model, op.version))
             self.waiters.setdefault(key, []).append((ident, req.rid))
         else:
             out.append((ident, self._reply(req.rid, body)))
@@ -237,6 +239,12 @@ class HubService:
             log.warning("the hub heard nothing for %.2f s (its process stalled): excused from every "
                         "endpoint's silence", deaf)
         self._ran = now
+
+    def muster(self) -> list[tuple[bytes, bytes]]:
+        """Answer the plans of every muster due now (``Hub.muster``)."""
+        with self.lock:
+            self.hub.muster(self.clock())
+            return self.outbound()
 
     def sweep(self) -> list[tuple[bytes, bytes]]:
         with self.lock:
@@ -266,6 +274,7 @@ class HubService:
         fd = sock.getsockopt(zmq.FD)
         sweeper = None
         turning = False  # a turn is scheduled
+        mustering: tuple[float, asyncio.TimerHandle] | None = None  # (due, its timer)
 
         def intake() -> None:
             for _ in range(INTAKE):
@@ -295,9 +304,27 @@ class HubService:
             nonlocal turning
             turning = False
             self.work(self._send)
+            arm()
             intake()
             if self.backlog:
                 kick()
+
+        def arm() -> None:
+            """A timer for the next muster to close, if one opened (plans parked)."""
+            nonlocal mustering
+            due = self.hub.due()
+            if due is None or (mustering is not None and mustering[0] <= due):
+                return
+            if mustering is not None:
+                mustering[1].cancel()
+            mustering = (due, loop.call_later(max(0.0, due - self.clock()), muster))
+
+        def muster() -> None:
+            nonlocal mustering
+            mustering = None
+            self._send(self.muster())
+            arm()
+            readable()
 
         def readable() -> None:
             intake()
@@ -319,6 +346,8 @@ class HubService:
         finally:
             loop.remove_reader(fd)
             sweeper.cancel()
+            if mustering is not None:
+                mustering[1].cancel()
             self.close()
 
     def close(self) -> None:

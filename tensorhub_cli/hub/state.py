@@ -45,6 +45,9 @@ class HubConfig:
     # per model "off", "remote" (across DC links) or "all"; others get the default.
     deltas: dict[str, str] = field(default_factory=dict)
     default_deltas: str = "remote"
+    # A new swarm's first readers that ask within this long are laid out together,
+    # sorted by rack and node (``hub.mustering``); 0: every plan answered at once.
+    muster_s: float = 0.0
 
 
 @dataclass
@@ -108,6 +111,7 @@ class HubState:
         self.withdrawals: dict[tuple, Withdrawal] = {}  # by withdraw_key
         # after a restart: rebuilt reads whose source has not re-registered yet
         self.unplaced: dict[str, list[tuple[Version, str, int]]] = {}  # source -> (version, reader, chunk)
+        self.musters: dict[tuple, object] = {}  # (model, version, dc, want) -> ``mustering.Muster``
 
     def count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n

@@ -8,7 +8,9 @@ after the hub is done with it (``None``: no reply is awaited). ``beats(ops)`` se
 heartbeat period's heartbeats of many endpoints as one batch (fewer events; each is
 still a real call). ``body`` is the hub's reply, or ``protocol.Error`` for a
 refusal (``HubFault``), exactly as the service would send it. The service's periodic
-``expire`` and ``settle`` (the sweep) run on the same core every ``sweep_s``.
+``expire`` and ``settle`` (the sweep) run on the same core every ``sweep_s``; a
+plan the hub parks in a muster (``hub.mustering``) is answered when the hub closes
+it, at its ``due()`` time, as the service's timer does.
 
 Liveness is never starved, as in the service: heartbeats and the sweep go ahead of the
 queued requests (served next, in their own order), where the service answers beats as
@@ -33,9 +35,12 @@ from collections import deque
 from typing import Callable
 
 from ..hub import protocol as p
+from ..hub.faults import Answered
 from ..hub.machine import Hub, HubFault
+from ..hub.mustering import key as muster_key
 from .events import Loop
 
+_MUSTER = "muster"  # (a queue entry: close the musters due)
 _OPS = {
     p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
     p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
@@ -56,6 +61,8 @@ class HubServer:
         self.calls: dict[str, int] = {}
         self.busy_s = 0.0  # simulated seconds the hub core was occupied
         self.max_queue = 0
+        self._parked: dict[tuple, list[Callable]] = {}  # a muster's plans: key -> their replies
+        self._muster_at: float | None = None  # the close already scheduled
         self.expired: list[tuple[float, str]] = []
         self.silence_max_s = 0.0
         self._sweeping = False
@@ -82,7 +89,8 @@ class HubServer:
         op, reply = (self._urgent or self._queue).popleft()
         self._busy = True
         now = self.loop.now
-        kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else type(op).__name__.lower()
+        kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else _MUSTER if op == _MUSTER \
+            else type(op).__name__.lower()
         if op is None:  # (measured outside the hub's CPU)
             seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
             self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
@@ -92,6 +100,10 @@ class HubServer:
             for name in self.hub.expire(now):
                 self.expired.append((now, name))
             self.hub.settle(now)
+        elif op == _MUSTER:
+            body = None
+            self._muster_at = None
+            self.hub.muster(now)
         elif isinstance(op, list):  # one beat period's heartbeats, served back to back
             body = None
             for beat in op:
@@ -104,14 +116,24 @@ class HubServer:
                 body = _OPS[type(op)](self.hub, now, op)
             except HubFault as fault:
                 body = fault.as_error()
-        self.hub.take_outbound()  # (acks and commands: no simulated endpoint waits on them)
+        if body is None and isinstance(op, p.Plan):  # parked in its swarm's muster
+            self._parked.setdefault(muster_key(op), []).append(reply)
+            reply = None
+        answers = []  # (acks and commands: no simulated endpoint waits on them)
+        for event in self.hub.take_outbound():
+            if isinstance(event, Answered):
+                answers += [(r, event.body) for r in self._parked.pop(event.key, [])]
         cpu = time.process_time() - t0
         self.cpu[kind] = self.cpu.get(kind, 0.0) + cpu
         n = len(op) if isinstance(op, list) else 1
         self.calls[kind] = self.calls.get(kind, 0) + n
         busy = (cpu * self.cpu_scale + n * self.overhead_s) if self.charge else 0.0
         self.busy_s += busy
-        self.loop.at(now + busy, self._served, body, reply)
+        self.loop.at(now + busy, self._served, body, reply, answers)
+        due = self.hub.due()
+        if due is not None and (self._muster_at is None or due < self._muster_at):
+            self._muster_at = due
+            self.loop.at(max(due, now), self._arrive_urgent, _MUSTER)
 
     def beats(self, ops: list[p.Heartbeat]) -> None:
         """Heartbeats of many endpoints sent at once: one queue entry, each beat still a
@@ -119,9 +141,11 @@ class HubServer:
         if ops:
             self.loop.after(self.rtt_s / 2, self._arrive_urgent, ops)
 
-    def _served(self, body, reply: Callable | None) -> None:
+    def _served(self, body, reply: Callable | None, answers=()) -> None:
         if reply is not None:
             self.loop.after(self.rtt_s / 2, reply, body)
+        for r, b in answers:
+            self.loop.after(self.rtt_s / 2, r, b)
         if self._urgent or self._queue:
             self._serve()
         else:

@@ -59,7 +59,7 @@ class World:
         self.net = Network(self.loop, 0.0 if exact else e.quantum_s, 0.0 if exact else e.quantum_frac)
         self.topology = Topology(self.net, dcs, fabric or Fabric.of(params.cluster))
         hub = Hub(HubConfig(cluster="sim", expiry_s=h.expiry_s, grace_s=0.0, planner=planner,
-                            max_reads_per_source=h.max_reads_per_source,
+                            max_reads_per_source=h.max_reads_per_source, muster_s=h.muster_s,
                             default_policy=Policy(keep_latest=2, min_reliable_copies=0)), now=0.0)
         self.hub = HubServer(self.loop, hub, rtt_s=self.fetch_params.plan_rtt_s, charge=h.charge_cpu,
                              cpu_scale=h.cpu_scale, overhead_s=h.request_overhead_s if overhead_s is None

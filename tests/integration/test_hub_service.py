@@ -172,3 +172,40 @@ def test_hub_restart_rebuilds_the_registry_and_a_reader_carries_on(token_file):
     finally:
         client.close()
         stop_child(proc)
+
+
+def test_a_new_swarms_first_plans_are_answered_together_when_its_muster_closes(token_file):
+    """The service's timer closes a muster: two readers asking at once, the one on the
+    trainer's rack asking last, are both answered after ``--muster-s``, chained by rack."""
+    import threading
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc, client = start_hub(token_file, address, 5.0, "--muster-s", "0.3")
+    clients = [HubClient(address, TOKEN) for _ in range(2)]
+    try:
+        def place(name, rack):
+            return p.EndpointInfo(name=name, node=f"node-{name}", rack=rack, pid=1)
+
+        client.call(p.Register(info=place("t0", "ra")), timeout=5)
+        client.call(p.Publish(name="t0", model="m", version=1, manifest=manifest(4)), timeout=5)
+        answers, began = {}, time.monotonic()
+
+        def ask(c, name, rack):
+            c.call(p.Register(info=place(name, rack)), timeout=5)
+            if name == "near":
+                time.sleep(0.1)  # it asks second
+            got = c.call(p.Plan(name=name, model="m", version=1, schedule=True), timeout=5)
+            answers[name] = ({f.source for f in got.feeds}, time.monotonic() - began)
+
+        threads = [threading.Thread(target=ask, args=(c, n, r)) for c, (n, r) in zip(clients, [("far", "rb"),
+                                                                                                ("near", "ra")])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert answers["near"][0] == {"t0"} and answers["far"][0] == {"near"}, answers
+        assert min(s for _, s in answers.values()) >= 0.25, f"answered before the muster closed: {answers}"
+    finally:
+        for c in [client, *clients]:
+            c.close()
+        stop_child(proc)

@@ -36,6 +36,7 @@ from .hubkit import EXPIRY, info, manifest
 
 MODEL = "policy"
 POLICY = Policy(keep_latest=2, min_reliable_copies=1)
+MUSTER_S = 1.0  # (the clock moves 0.5 s and up a step: a muster spans a few rules)
 PROCS = {
     # name: (node, rack, dc, kind, reliable, group)
     "t0": ("a1", "ra", "east", "endpoint", True, None),
@@ -113,11 +114,13 @@ class HubMachine(RuleBasedStateMachine):
         self.withdrawing: set[tuple[int, str]] = set()
         self.awaiting: set[tuple[int, str]] = set()
         self.told: set[tuple[str, int]] = set()  # (endpoint, version) the hub told to unpublish
+        self.parked: set[tuple[str, int]] = set()  # (reader, version) first plans waiting for a muster
         for name in sorted(PROCS):  # start from a live cluster; crashes and silence come later
             self.register(name)
 
     def _new_hub(self, grace_s: float) -> Hub:
-        cfg = HubConfig(expiry_s=EXPIRY, grace_s=grace_s, round_timeout_s=30.0, policies={MODEL: POLICY})
+        cfg = HubConfig(expiry_s=EXPIRY, grace_s=grace_s, round_timeout_s=30.0, policies={MODEL: POLICY},
+                        muster_s=MUSTER_S)
         return Hub(cfg, now=self.now)
 
     # --- truth helpers ---------------------------------------------------------------
@@ -175,6 +178,8 @@ class HubMachine(RuleBasedStateMachine):
         for event in events:
             if isinstance(event, Acked):
                 self.check_ack(event)
+            elif isinstance(event, Answered) and event.key[0] == "plan":
+                self.mustered(event)
             elif isinstance(event, Answered):
                 self.check_answer(event)
             elif event.body.action == "unpublish":
@@ -198,6 +203,22 @@ class HubMachine(RuleBasedStateMachine):
         assert number not in self.whole_withdrawn(), f"(l) retention copy of withdrawn v{number}: {send}"
         node = PROCS[send.endpoint][0]
         assert (number, node) not in self.withdrawing, f"(l) retention copy onto {node}, withdrawing v{number}"
+
+    def mustered(self, answer: Answered) -> None:
+        """(n) a parked plan is answered once, when its muster closes, and its reads
+        obey every rule a plan answered at once does."""
+        _, name, model, number = answer.key
+        assert (name, number) in self.parked, f"(n) an answer to a plan nobody parked: {answer.key}"
+        self.parked.discard((name, number))
+        v = self.hub.models.get(MODEL, {}).get(number)
+        if isinstance(answer.body, p.Planned) and v is not None and self.procs[name].registered:
+            self._take(name, number, answer.body, set(v.draining), set(v.pulls), True)
+
+    @rule()
+    def muster(self):
+        """The service's timer: musters due by now close."""
+        self.call(self.hub.muster)
+        assert all(m.deadline > self.now for m in self.hub.musters.values())
 
     def check_answer(self, answer: Answered) -> None:
         """(k) a withdrawal is answered once, and done means gone: no replica of the
@@ -334,8 +355,20 @@ class HubMachine(RuleBasedStateMachine):
         draining, pullers = set(v.draining), set(v.pulls)
         got = self.call(self.hub.plan, p.Plan(name=name, model=MODEL, version=number, window=window,
                                               schedule=scheduled))
+        if got is None:  # parked in its swarm's muster: answered by ``muster``
+            assert scheduled, "(n) only a scheduled first plan waits for a muster"
+            self.parked.add((name, number))
+            return
         if not isinstance(got, p.Planned):
             return
+        reads = self._take(name, number, got, draining, pullers, scheduled)
+        if reads and data.draw(st.booleans()):
+            self._report(name, (MODEL, number), data)
+
+    def _take(self, name, number, got: p.Planned, draining, pullers, scheduled) -> dict:
+        """Check a plan's answer against the truth and start its reads."""
+        proc = self.procs[name]
+        v = self.hub.models[MODEL][number]
         reads = proc.reading.setdefault((MODEL, number), {})
         zombies = proc.zombies.get((MODEL, number), {})
         waiting = proc.waiting.setdefault((MODEL, number), {})
@@ -370,8 +403,7 @@ class HubMachine(RuleBasedStateMachine):
             if reads.get(r.chunk) != r.source and not scheduled:  # (a tree parent is not the nearest holder)
                 self.check_nearest(name, v, r, draining, pullers)
             reads[r.chunk] = r.source
-        if reads and data.draw(st.booleans()):
-            self._report(name, (MODEL, number), data)
+        return reads
 
     def check_nearest(self, reader: str, v, read: p.Read, draining: set[str], pullers: set[str]) -> None:
         """(h) contract 8, judged by brute force over every replica (levels from PROCS,
@@ -614,6 +646,7 @@ class HubMachine(RuleBasedStateMachine):
         self.hub = self._new_hub(grace_s=EXPIRY)
         self.withdrawing.clear()  # the new hub knows none: their operators time out and may ask again
         self.awaiting.clear()
+        self.parked.clear()  # (likewise parked plans: their readers' requests time out and ask again)
         order = PUBLISHERS + [n for n in sorted(PROCS) if n not in PUBLISHERS]
         for name in order:
             proc = self.procs[name]

@@ -21,7 +21,8 @@ B = GBPS * 1e9 / 8  # bytes/s of every NIC
 
 def params(**hub) -> SimParams:
     p = SimParams()
-    return p.model_copy(update={"hub": p.hub.model_copy(update={"charge_cpu": False, **hub})})
+    # (no muster either: a first plan answered at once, as the closed forms assume)
+    return p.model_copy(update={"hub": p.hub.model_copy(update={"charge_cpu": False, "muster_s": 0.0, **hub})})
 
 
 def world(planner: str, n: int, p: SimParams | None = None, protocol: str = "schedule") -> World:
