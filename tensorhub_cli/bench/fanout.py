@@ -47,6 +47,7 @@ import time
 
 import psutil
 
+from ..hub.mustering import MUSTER_S
 from ..launch.procs import stop_child
 from .rig import Driven, RigError, free_port, hub
 from .testbed import Site, testbed
@@ -205,6 +206,7 @@ def run(readers: list[int], mib: float = 128, chunk_mib: float = 8, window: int 
     most = max(readers)
     return {"workload": "fanout", "bytes": _nbytes(mib), "chunk_bytes": int(chunk_mib * 2**20),
             "window": window, "engine": engine, "warmup": warmup, "protocol": _protocol(), "heads": "serial",
+            "muster_s": MUSTER_S,
             "rows": rows,
             "target": {"max_readers_vs_one": 2.0},
             "target_met": ours[most] / one <= 2.0}
@@ -252,7 +254,8 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
     return {"workload": "fanout", "testbed": {"nodes": nodes, "racks": min(RACKS, nodes),
                                               "rates_mbit": state["rates_mbit"], "check": state["check"]},
             "bytes": nbytes, "chunk_bytes": int(chunk_mib * 2**20), "window": window, "engine": engine,
-            "warmup": warmup, "protocol": _protocol(), "heads": "serial", "raw_socket": raw, "rows": rows,
+            "warmup": warmup, "protocol": _protocol(), "heads": "serial", "muster_s": MUSTER_S, "raw_socket": raw,
+            "rows": rows,
             "target": target,
             "target_met": all(met.values()), "targets": met}
 
@@ -283,8 +286,10 @@ def _raw_stream(nbytes: int, site: Site, reader: str) -> dict:
             "cpu_s_per_gib": cpu / (nbytes / 2**30)}
 
 
-# "heads": "serial" says a chain head read one chunk at a time (``Planned.serial``):
-# the calibration models files without it with heads reading their whole window.
+# "heads": "serial" says a chain head read one chunk at a time (``Planned.serial``),
+# "muster_s" how long the hub mustered a new swarm's first plans (its default): the
+# calibration models files without them with heads reading their whole window and
+# plans answered as they came.
 
 
 def _protocol() -> str:

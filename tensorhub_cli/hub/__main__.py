@@ -19,11 +19,7 @@ from .service import HubService
 from .deltas import MODES
 from .retention import Policy
 from .machine import Hub, HubConfig
-
-
-# Readers that start together ask within tens of milliseconds of each other (the
-# testbed's seven: well inside this); the first waits this long for its answer.
-MUSTER_S = 0.05
+from .mustering import MUSTER_S
 
 
 def hub_config(args) -> HubConfig:

@@ -36,6 +36,12 @@ from .scheduling import heads, publishers_of
 from .state import HubState
 
 
+# The hub process's default (``--muster-s``): readers that start together ask within
+# tens of milliseconds of each other (the testbed's seven did); the first waits this
+# long for its answer.
+MUSTER_S = 0.05
+
+
 @dataclass
 class Muster:
     deadline: float

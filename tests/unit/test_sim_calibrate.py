@@ -142,3 +142,19 @@ def test_rl_elastic_rows_predict_a_joiner_of_a_replicated_version():
     for arm in ("ours", "baseline"):
         assert by[f"rl elastic {arm} joiner of a replicated version (mean fetch loop)"]["predicted_s"] == \
             pytest.approx(bound, rel=0.02)
+
+
+def test_ours_rows_of_a_scheduled_file_count_only_once_the_hub_mustered():
+    """Before musters the hub chained readers in their plans' arrival order, which the
+    file does not record (and which moved N = 7 by a fifth): those rows are skipped."""
+    bound = S * 8 / (NODE_MBIT * 1e6)
+    doc = fanout_file([{"readers": 3, "ours_s": 1.2 * bound, "star_s": 3 * bound}])
+    doc["result"]["protocol"] = "schedule"
+    rows, skipped = calibrate.rows(quiet(), [("old.json", doc)])
+    assert [r["scenario"] for r in rows] == ["fanout star readers=3"]
+    assert skipped and "old.json: ours' rows" in skipped[0]
+    doc["result"].update(muster_s=0.05, heads="serial")
+    rows, skipped = calibrate.rows(quiet(), [("new.json", doc)])
+    assert {r["scenario"] for r in rows} == {"fanout ours readers=3", "fanout star readers=3"} and not skipped
+    ours = next(r for r in rows if r["scenario"].startswith("fanout ours"))
+    assert ours["predicted_s"] >= 0.05 + bound  # (the muster's wait, then at least the bound)
