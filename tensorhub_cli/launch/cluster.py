@@ -91,7 +91,7 @@ def _token(spec: ClusterSpec, spec_path: Path) -> str | None:
 def hub_args(spec: ClusterSpec, state: ClusterState, launcher, token: str) -> list[str]:
     hub_node = spec.node(spec.hub.node)
     args = ["--bind", state.hub_address, "--token-file", launcher.token_path(hub_node, token),
-            "--cluster", spec.name, "--expiry-s", str(spec.hub.expiry_s)]
+            "--cluster", spec.name, "--expiry-s", str(spec.hub.expiry_s), "--muster-s", str(spec.hub.muster_s)]
     if spec.hub.metrics_port:
         args += ["--metrics-port", str(spec.hub.metrics_port), "--metrics-addr", hub_node.spec.address]
     for m in spec.models:

@@ -38,6 +38,10 @@ class HubSpec(Strict):
     expiry_s: float = Field(
         default=5.0, gt=0, le=600, description="silence after which an endpoint is expired"
     )
+    muster_s: float = Field(
+        default=0.05, ge=0, le=10, description="a new swarm's first readers asking within this long are chained "
+                                               "together by rack and node (0: each placed as it asks)"
+    )
 
     @model_validator(mode="after")
     def _expiry_covers_heartbeats(self) -> "HubSpec":

@@ -61,6 +61,7 @@ BAD = [
     ("hub-unknown-node", lambda d: set_in(d, ("hub", "node"), "node9"), "hub.node", "unknown node 'node9'"),
     ("hub-missing", lambda d: delete(d, ("hub",)), "hub", "required"),
     ("expiry-short", lambda d: set_in(d, ("hub", "expiry_s"), 0.6), "hub", "twice heartbeat_s"),
+    ("muster-negative", lambda d: set_in(d, ("hub", "muster_s"), -0.1), "hub.muster_s", "greater than or equal to 0"),
     ("dup-node-name", lambda d: set_in(d, N1 + ("name",), "node1"), "topology.datacenters[0].racks[0].nodes[1].name", "duplicate node name"),
     ("dup-node-address", lambda d: set_in(d, N1 + ("address",), "127.0.0.11"), "topology.datacenters[0].racks[0].nodes[1].address", "duplicate node address"),
     ("not-loopback", lambda d: set_in(d, N0 + ("address",), "10.0.0.1"), "topology.datacenters[0].racks[0].nodes[0].address", "loopback"),
