@@ -21,7 +21,8 @@ k is, and the lag a level adds is one chunk's transfer at 1/k of a link, so the 
 is about n chunk times either way. k > 1 only adds the first member's extra uploads.
 On the 8-node testbed (``th bench fanout --testbed``, N = 7): k = 1 took 1.46 × the
 bound, k = 2 1.99 ×. A log-depth forest needs members re-parented as later ones join
-(SplitStream's push-down); not done.
+(SplitStream's push-down), or laid out all at once from a muster's members
+(``hub/mustering.py``, which today only sorts them by rack); not done.
 
 Parallel chains (k = 1). A chain's tail lags its head by one chunk's transfer per
 member, so a swarm of n members in one chain ends about n chunk times after its head:
