@@ -69,10 +69,10 @@ class AgentEndpoint(Endpoint):
             pending, self._pending = self._pending, []
             for c in pending:
                 try:
-                    held = self._register(c.model, c.version, c.world, c.shards, c.rank, c.placed)
+                    held = self.replicas.register(c.model, c.version, c.world, c.shards, c.rank, c.placed)
                     if c.rank < 0:  # a reader's copy, every chunk verified by the store
                         held.held = set(range(len(c.placed.views)))
-                    self._add(held)
+                    self.replicas.add(held)
                 except Exception as exc:  # (the engine refused the memory): never stop the service thread
                     log.warning("re-adopted copy %s@%s not registered: %s", c.model, c.version, exc)
                 else:

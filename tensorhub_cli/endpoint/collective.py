@@ -146,7 +146,7 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
           plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0,
           gather_bytes: int = GATHER_BYTES) -> int:
     """``Endpoint.fetch(..., collective=pg)``: the arguments are ``Endpoint.fetch``'s."""
-    ep._check_open()
+    ep.check_open()
     model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
         checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout)
     gather_bytes = checks.count(gather_bytes, "gather_bytes")
@@ -161,7 +161,7 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
     me = Member(ep, comm)
     try:
         resolved = _stage(me, "resolve", lambda: waiting.resolve(
-            ep._call, p.Resolve(name=ep.name, model=model, version=number, group=group), deadline=deadline,
+            ep.call, p.Resolve(name=ep.name, model=model, version=number, group=group), deadline=deadline,
             each=min(resolve_timeout, timeout), wait=bool(wait), timeout=timeout))
         number = me.votes[0][1]  # rank 0's version is everyone's
         comm.what = f"{model}@{number} in group {group or '-'}"
@@ -169,8 +169,8 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
         def read() -> None:
             nonlocal resolved
             if resolved.version != number:  # (no group round tied us to rank 0's)
-                resolved = waiting.resolve(ep._call, p.Resolve(name=ep.name, model=model, version=number),
-                                           deadline=deadline, each=min(resolve_timeout, timeout), wait=False,
+                resolved = waiting.resolve(ep.call, p.Resolve(name=ep.name, model=model, version=number),
+                                          deadline=deadline, each=min(resolve_timeout, timeout), wait=False,
                                            timeout=timeout)
             _read(me, resolved, into, deadline, window, read_timeout, plan_timeout)
 
@@ -223,7 +223,7 @@ def _read(me: Member, resolved: p.Resolved, into, deadline: float, window: int,
     chunks we own that we do not hold."""
     ep = me.ep
     key = (resolved.model, resolved.version)
-    held = ep._replicas.get(key)
+    held = ep.replicas.get(key)
     if held is not None and held.rank >= 0 and held.world > 1:
         raise EndpointError(f"{ep.name} publishes shard {held.rank} of {held.world} of {key[0]}@{key[1]}, and an "
                             "endpoint holds one replica of a version: fetch the whole version on an endpoint of "
@@ -360,9 +360,9 @@ def _collect_checks(me: Member, checking: dict, bad: list[int], *, block: bool) 
         good.append(c)
     for at in range(0, len(good), REPORT_CHUNKS):
         try:
-            me.ep._call(p.Progress(name=me.ep.name, model=me.held.model, version=me.held.version,
-                                   chunks=good[at:at + REPORT_CHUNKS], incarnation=me.ep.incarnation),
-                        timeout=me.ep.call_timeout_s)
+            me.ep.call(p.Progress(name=me.ep.name, model=me.held.model, version=me.held.version,
+                                  chunks=good[at:at + REPORT_CHUNKS], incarnation=me.ep.incarnation),
+                       timeout=me.ep.call_timeout_s)
         except TensorHubError as exc:  # (raised at the stage's end: the group's collectives go on meanwhile)
             me.report_error = me.report_error or exc
 

@@ -49,15 +49,26 @@ below the holders' ``peer_idle_s``).
 Threads: the caller's (publish, fetch, unpublish), the service thread (register,
 heartbeat, engine progress), the command workers (the handler), the peer server
 (``peer``), the verifier pool and the tcp engine's read pool. Every thread that calls
-the hub has a hub socket of its own, so an unpublish waiting for its drain holds up no
-other thread's call. Replica records are shared under locks.
+the hub has a hub socket of its own (``hub_sockets``), so an unpublish waiting for its
+drain holds up no other thread's call. Replica records are shared under the replica
+table's lock (``replicas``).
+
+Plumbing: what the endpoint's collaborators (``publishing``, ``fetching``,
+``collective``, ``fetch``, ``scheduled``, ``service``, the command handlers) may use of
+it, and nothing private: ``replicas`` (the replica table: ``Replicas``, whose module
+says who changes it under which lock); ``call(op, timeout)`` (the hub's answer, on the
+calling thread's own socket; ``HubError`` ``fenced`` once we were replaced);
+``call_once`` (the same on a socket made and closed for the one call: short-lived
+threads); ``check_open()`` (``EndpointError`` once closed); ``await_registered(timeout)``
+(returns once the hub took our registration); ``reap(call)`` (the service thread's
+beat: zombies whose reads ended); ``hub_client()``, ``heard()``, ``token``,
+``registrations``, ``zombies``, ``served``, ``engine``/``tcp``, ``verifiers``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -65,20 +76,21 @@ from typing import Callable, Optional
 
 import msgspec
 
-from ..engines import choice, wire
+from ..engines import choice
 from ..engines.serve import Regions
 from ..engines.tcp import IDLE_S as TCP_IDLE_S
 from ..errors import BadArgument
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError, HubUnreachable
 from ..layout import CHUNK_BYTES, SMALL_BYTES, verify
-from . import checks, deltas, fetching, publishing, streams
+from . import checks, fetching, publishing
 from .commands import CommandHandler, SyncCommands
 from .errors import EndpointError
+from .hub_sockets import HubSockets
 from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
-from .replica import Replica
+from .replicas import Replicas
 from .service import Service
 from .zombies import Zombies
 
@@ -109,14 +121,11 @@ class Endpoint:
         reg_cache_bytes = cap_bytes(reg_cache_bytes)  # (checked before an engine exists to leak)
         self.engine, self.tcp = choice.make(engine, info.name, token, host, conn_idle_s)
         self._registrations = Registrations(self.engine, reg_cache_bytes)
-        self._replicas: dict[tuple[str, int], Replica] = {}
-        self._lock = threading.Lock()
-        self._claims: set[tuple[str, int]] = set()  # versions a fetch is setting up (``fetching.claim``)
-        self._claiming = threading.Condition()
+        self.replicas = Replicas(self.name, info.tier, self._registrations, self.served)
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
-        self.peer = PeerServer(host, token, self._describe, self.served, idle_s=peer_idle_s,
-                               replica=self._replicas.get)
+        self.peer = PeerServer(host, token, self.replicas.describe, self.served, idle_s=peer_idle_s,
+                               replica=self.replicas.get)
         # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
         # our pins and pending unpublish at the hub; a newer process under our name
         # fences this one (contract 3). A supervised runner's first Endpoint takes the
@@ -127,17 +136,11 @@ class Endpoint:
                                             incarnation=incarnation)
         self.incarnation = self.info.incarnation
         # transfers that could not be released yet (contract 3: they stay pinned)
-        self.zombies = Zombies(self.name, self.incarnation, self._replicas.get, call_timeout_s,
-                               hub_call=self._call_once, drain_timeout_s=drain_timeout_s,
+        self.zombies = Zombies(self.name, self.incarnation, self.replicas.get, call_timeout_s,
+                               hub_call=self.call_once, drain_timeout_s=drain_timeout_s,
                                let_go=self._registrations.give_back)
         self._hub = hub
-        # One hub socket per calling thread, used only by it: a thread waiting for a
-        # deferred reply (an unpublish's drain, minutes) holds up no other thread's
-        # calls, and one thread's requests reach the hub in the order it sent them (a
-        # publish that timed out is still ahead of the unpublish that withdraws it).
-        self._local = threading.local()
-        self._rpcs: list[tuple[threading.Thread, HubClient]] = []
-        self._rpcs_lock = threading.Lock()
+        self._sockets = HubSockets(self.hub_client)  # one hub socket per calling thread (``hub_sockets``)
         # When the hub last answered one of our plans (monotonic): the hub takes a plan
         # for a heartbeat, so the service thread skips a beat due sooner than
         # ``heartbeat_s`` after it (a fetch's plans are most of a reader's requests).
@@ -147,12 +150,12 @@ class Endpoint:
         self.service = Service(self, HubClient(hub, token, source=host), heartbeat_s, on_command or SyncCommands())
         self.service.start()
         try:
-            self._await_registered(connect_timeout)
+            self.await_registered(connect_timeout)
         except BaseException:
             self.close(drain_timeout=0)
             raise
 
-    # --- plumbing used by the service thread and the fetch loop -----------------------
+    # --- plumbing: what collaborators may use (the module's "Plumbing") ----------------
 
     @property
     def token(self) -> str:
@@ -168,49 +171,39 @@ class Endpoint:
         """The hub answered a plan of ours just now (it counts as our heartbeat)."""
         self.heard_at = time.monotonic()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Returns while the endpoint is open; after ``close``: ``EndpointError``."""
         if getattr(self, "_shut", False):
             raise EndpointError(f"endpoint {self.name} is closed; connect again to use the hub")
 
-    def _call(self, op: p.Op, timeout: float) -> p.Body:
-        self._check_open()
-        if self.service.fenced:
-            raise HubError(p.Error(code="fenced", message=self.service.fenced))
-        return self._rpc().call(op, timeout=timeout)
+    def call(self, op: p.Op, timeout: float) -> p.Body:
+        """The hub's answer to ``op`` on this thread's own hub socket (``HubError``: its
+        refusal, ``fenced`` once we were replaced; ``HubUnreachable``: none in time)."""
+        self._may_call()
+        return self._sockets.mine().call(op, timeout=timeout)
 
-    def _call_once(self, op: p.Op, timeout: float) -> p.Body:
-        """``_call`` on a socket of its own, closed here: for short-lived threads (a
+    def call_once(self, op: p.Op, timeout: float) -> p.Body:
+        """``call`` on a socket of its own, closed here: for short-lived threads (a
         zombie's withdrawal), whose socket ``close`` must not close under them."""
-        self._check_open()
-        if self.service.fenced:
-            raise HubError(p.Error(code="fenced", message=self.service.fenced))
+        self._may_call()
         client = self.hub_client()
         try:
             return client.call(op, timeout=timeout)
         finally:
             client.close()
 
-    def _rpc(self) -> HubClient:
-        """This thread's hub socket (made on its first call). Sockets of threads that
-        ended are closed here: no thread uses them any more."""
-        client = getattr(self._local, "client", None)
-        if client is None:
-            client = self.hub_client()
-            with self._rpcs_lock:
-                for thread, old in self._rpcs:
-                    if not thread.is_alive():
-                        old.close()
-                self._rpcs = [(t, c) for t, c in self._rpcs if t.is_alive()]
-                self._rpcs.append((threading.current_thread(), client))
-            self._local.client = client
-        return client
+    def _may_call(self) -> None:
+        self.check_open()
+        if self.service.fenced:
+            raise HubError(p.Error(code="fenced", message=self.service.fenced))
 
-    def _held(self) -> list[Replica]:
-        """The replicas now (the fetch loop, the command workers and the caller change them)."""
-        with self._lock:
-            return list(self._replicas.values())
+    def reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
+        """The service thread's beat: reap zombies whose reads ended (``Zombies.reap``)."""
+        self.zombies.reap(call)
 
-    def _await_registered(self, timeout: float) -> None:
+    def await_registered(self, timeout: float) -> None:
+        """Returns once the hub took our registration; else ``EndpointError`` after
+        ``timeout`` (``HubError`` at once for a refusal no retry changes)."""
         if not self.service.wait_registered(timeout):  # (a bad token raises at once: HubError auth)
             raise EndpointError(f"{self.name}: hub at {self._hub} did not accept our registration "
                                 f"within {timeout:.0f}s ({self.service.last_error or 'no answer'})")
@@ -218,8 +211,7 @@ class Endpoint:
     def holdings(self) -> list[p.Holding]:
         """What a (re-)registration carries: every replica, and the reads in flight of
         each, zombies included (contract 3: a restarted hub must pin them again)."""
-        with self._lock:
-            out = {h.key: h.holding() for h in self._replicas.values()}
+        out = self.replicas.holdings()
         for extra in self.zombies.holdings():
             have = out.setdefault((extra.model, extra.version), extra)
             if have is not extra and have.rank < 0:  # the failed fetch that left them is still letting go
@@ -227,71 +219,16 @@ class Endpoint:
                 have.reading = have.reading + [r for r in extra.reading if r.chunk not in known]
         return list(out.values())
 
-    def held_chunk(self, model: str, version: int, chunk: int):
-        """Chunk ``chunk`` (a global id) of ``model@version`` in our memory when we hold it
-        whole and verified (a delta's base, ``scheduled``), else None."""
-        held = self._replicas.get((model, version))
-        if held is not None and held.rank >= 0 and held.world > 1:  # a shard: its chunks are not numbered globally
-            return None
-        return deltas.whole(held, chunk)
-
     def holds_memory(self) -> bool:
-        return bool(self._replicas)
-
-    def _describe(self, ask: wire.Describe) -> wire.Described | wire.Refused:
-        held = self._replicas.get((ask.model, ask.version))
-        if held is None:
-            return wire.Refused(code="not_found", message=f"{self.name} holds no memory for {ask.model}@{ask.version}")
-        return held.described(self.engine)
+        return bool(self.replicas)
 
     @property
     def registrations(self) -> Registrations:
-        """The registration cache (``registrations``): what ``_register`` takes memory from."""
+        """The registration cache (``registrations``): what ``replicas.register`` takes memory from."""
         regs = self.__dict__.get("_registrations")
         if regs is None:  # (an Endpoint assembled without __init__, as tests of its pieces do)
             regs = self.__dict__["_registrations"] = Registrations(self.engine)
         return regs
-
-    def _add(self, held: Replica) -> None:
-        with self._lock:
-            if held.key in self._replicas:  # two threads registering one version (a retain and a sync)
-                self.registrations.give_back(held.reg)
-                raise EndpointError(f"{self.name} already holds {held.model}@{held.version}")
-            self._replicas[held.key] = held
-        self.served.add(id(held), held.placed.regions, owner=held.placed)
-
-    def _drop(self, held: Replica, *, registration: str = "give_back") -> None:
-        """Let the replica go: no longer served; its registration given back (``give_back``) to the
-        cache, ``drop``ped (deregistered now: the memory is the caller's for good), or
-        ``keep``: zombies own it (``zombies``: reads may still write there)."""
-        with self._lock:
-            self._replicas.pop(held.key, None)
-        held.gone()  # (an ``Await`` for its chunks is answered now: it would never be)
-        self.served.remove(id(held))
-        streams.passed(held.written)  # scatters still reading its staging end before it is reused or freed
-        if registration == "drop":
-            self.registrations.drop(held.reg)
-        elif registration == "give_back":
-            self.registrations.give_back(held.reg)
-
-    def _check_tier(self, placed, what: str) -> None:
-        """The hub plans and retains by our tier: GPU tensors under a host tier (or the
-        reverse) would be counted as the wrong copies. Nothing is registered yet."""
-        if (placed.device >= 0) != (self.info.tier == "device"):
-            where = f"cuda:{placed.device}" if placed.device >= 0 else "host memory"
-            raise BadArgument(f"{what}: its tensors are in {where}, but {self.name} joined with tier "
-                              f"{self.info.tier!r}; connect with device='{where if placed.device >= 0 else 'cpu'}'")
-
-    def _register(self, model: str, version: int, world: int, shards, rank: int, placed, owned=None,
-                  fill: bool = False) -> Replica:
-        """A replica over ``placed``, its memory registered (or a registration reused:
-        ``registrations``; ``owned``: the caller's tensors, ``fill``: copy the layout's
-        staging bytes over when reusing, see ``Registrations.acquire``)."""
-        if (model, version) in self._replicas:
-            raise EndpointError(f"{self.name} already holds {model}@{version}")
-        reg = self.registrations.acquire(model, placed, owned, fill=fill)
-        return Replica(model=model, version=version, world=world, shards=shards, rank=rank, placed=placed,
-                    handle=reg.handle, reg=reg)
 
     # --- the API ---------------------------------------------------------------------
 
@@ -301,7 +238,7 @@ class Endpoint:
         synchronized first), or a ``torch.cuda.Event`` (or a list) recorded after the
         last work that writes the tensors, which the host waits for instead (work on
         other streams; an empty list: nothing to wait for). See ``publishing``."""
-        self._check_open()
+        self.check_open()
         return publishing.publish(self, model, version, state_dict, shard, chunk_bytes=chunk_bytes,
                                   timeout=timeout, ready=ready)
 
@@ -328,46 +265,19 @@ class Endpoint:
             return stage.fetch(self, collective, model, version, into=into, group=group, timeout=timeout, wait=wait,
                                window=window, read_timeout=read_timeout, plan_timeout=plan_timeout,
                                resolve_timeout=resolve_timeout)
-        self._check_open()
+        self.check_open()
         return fetching.fetch(self, model, version, into=into, group=group, timeout=timeout, wait=wait,
                               window=window, read_timeout=read_timeout, plan_timeout=plan_timeout,
                               resolve_timeout=resolve_timeout)
 
-    def _reap(self, call: Callable[[p.Op, float], p.Body]) -> None:
-        """The service thread's beat: reap zombies whose reads ended (``Zombies.reap``)."""
-        self.zombies.reap(call)
-
     def unpublish(self, model: str, version: int, *, timeout: float = 60.0) -> None:
-        self._check_open()
+        self.check_open()
         model, version, timeout = checks.model(model), checks.version(version), checks.seconds(timeout, "timeout")
-        held = self._replicas.get((model, version))
+        held = self.replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
-        self._unpublish_at_hub(model, version, timeout)
-        self._drop(held)
-
-    def _unpublish_at_hub(self, model: str, version: int, timeout: float) -> None:
-        """Returns once the hub acknowledged the unpublish (its drain: no read of ours
-        in flight), or forgot the version already; through hub restarts, within
-        ``timeout`` (then ``EndpointError``: the replica stays registered)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._call(p.Unpublish(name=self.name, model=model, version=version, incarnation=self.incarnation),
-                           timeout=max(0.1, deadline - time.monotonic()))
-                return
-            except HubUnreachable:
-                if time.monotonic() >= deadline:
-                    raise EndpointError(f"unpublish of {model}@{version} not acknowledged within {timeout:.0f}s; "
-                                        "the replica stays registered (readers may still be reading it)") from None
-            except HubError as exc:
-                if exc.code == "unknown_endpoint":
-                    time.sleep(0.05)  # (the service thread may not have noticed yet: no hot loop on the hub)
-                    self._await_registered(max(0.1, deadline - time.monotonic()))
-                    continue
-                if exc.code != "not_found":  # the hub forgot it already: nothing to drain
-                    raise
-                return
+        publishing.unpublish_at_hub(self, model, version, timeout)
+        self.replicas.drop(held)
 
     def verify(self, model: str, version: int, into: dict) -> list[str]:
         """Every way ``into`` differs from the manifest of ``model@version`` as this
@@ -375,9 +285,9 @@ class Endpoint:
         must be in the publishers' layout (whole tensors, or their pieces): a
         destination in another layout was verified tile by tile as it was fetched, and
         its bytes cannot be re-hashed against chunks it holds only parts of."""
-        self._check_open()
+        self.check_open()
         model, version, into = checks.model(model), checks.version(version), checks.state_dict(into, "into")
-        held = self._replicas.get((model, version))
+        held = self.replicas.get((model, version))
         if held is None:
             raise EndpointError(f"{self.name} holds no replica of {model}@{version}")
         if held.placed.wanted is not None:
@@ -391,19 +301,19 @@ class Endpoint:
         a fetch in progress holds it: its reads may still write there (a ``discard``
         runs beside a ``th sync`` fetch), and that fetch lets it go when it fails.
         Its memory is deregistered at once (not kept for reuse: ``registrations``)."""
-        held = self._replicas.get((model, version))
+        held = self.replicas.get((model, version))
         if held is None:
             return
         if not held.complete:
             log.info("%s: discard of %s@%s left to the fetch still filling it", self.name, model, version)
             return
-        self._drop(held, registration="drop")  # (agents free that memory next: no registration outlives it)
+        self.replicas.drop(held, registration="drop")  # (agents free that memory next: no registration outlives it)
 
     def accept_sync(self, model: str, into: dict | Callable) -> None:
         """Let ``th sync`` make this endpoint fetch ``model`` into ``into`` (a state_dict,
         or a callable that makes one from the manifests). The default command handler
         (``SyncCommands``) and the agent's both fetch into it."""
-        self._check_open()
+        self.check_open()
         model, into = checks.model(model), checks.into(into)
         self.sync_into[model] = into
 
@@ -411,17 +321,17 @@ class Endpoint:
         """Tell the hub how ``cmd`` went (an event in its log). Best effort, within
         ``timeout`` (None: ``call_timeout_s``): a lost report is logged, not raised."""
         try:
-            self._call(p.Report(name=self.name, kind=kind, model=cmd.model, version=cmd.version, message=message),
-                       timeout=self.call_timeout_s if timeout is None else timeout)
+            self.call(p.Report(name=self.name, kind=kind, model=cmd.model, version=cmd.version, message=message),
+                      timeout=self.call_timeout_s if timeout is None else timeout)
         except (HubError, HubUnreachable) as exc:
             log.warning("%s: report of %s lost: %s", self.name, kind, exc)
 
     def versions(self, model: Optional[str] = None, *, timeout: Optional[float] = None) -> list[p.VersionStatus]:
         """The hub's view of ``model``'s versions (None: every model's)."""
-        self._check_open()
+        self.check_open()
         model = None if model is None else checks.model(model)
         timeout = checks.optional_seconds(timeout, "timeout")
-        return self._call(p.Versions(model=model), self.call_timeout_s if timeout is None else timeout).versions
+        return self.call(p.Versions(model=model), self.call_timeout_s if timeout is None else timeout).versions
 
     def close(self, drain_timeout: float = 30.0) -> None:
         """``drain_timeout``: per replica, for its unpublish, and once more for reads a
@@ -432,22 +342,19 @@ class Endpoint:
             return
         self._closed = True
         if drain_timeout and self.service.registered.is_set():
-            for held in self._held():
+            for held in self.replicas.all():
                 try:
                     self.unpublish(held.model, held.version, timeout=drain_timeout)
                 except Exception as exc:
                     log.warning("close: %s", exc)
-            self.zombies.await_idle(self._call, drain_timeout, lambda: bool(self.service.fenced))
+            self.zombies.await_idle(self.call, drain_timeout, lambda: bool(self.service.fenced))
         self.service.stop()
         self._shut = True
-        for held in self._held():
-            self._drop(held)
+        for held in self.replicas.all():
+            self.replicas.drop(held)
         self.registrations.close(keep=self.zombies.fenced())  # (leaked, not freed under a read)
         self.peer.close()
-        with self._rpcs_lock:
-            for _, client in self._rpcs:
-                client.close()
-            self._rpcs = []
+        self._sockets.close()
         self.tcp.close()
         self.engine.close()
         self.verifiers.shutdown(wait=True, cancel_futures=True)

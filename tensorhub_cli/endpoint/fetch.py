@@ -213,7 +213,7 @@ class Fetch:
             self.asked = None
             if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
                 time.sleep(0.05)  # (the service thread may not have noticed yet)
-                self.ep._await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
+                self.ep.await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
                 return None
             if exc.code == "rebuilding":  # restarted hub, holders still re-registering: ask again
                 time.sleep(min(0.1, max(0.0, self.deadline - time.monotonic())))

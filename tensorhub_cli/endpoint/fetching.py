@@ -6,7 +6,7 @@ Protocol of ``fetch(ep, model, version, into=..., ...)`` (the caller's thread):
 1. Resolve the version at the hub (``waiting``; with the endpoint's group unless the
    caller names another: contract 2), naming the versions we hold whole, so that one of
    those comes back without its manifests (``Resolve.known``).
-2. *Claim* it (``claim``): one fetch of a version at a time between "is it held?" and
+2. *Claim* it (``Replicas.claim``): one fetch of a version at a time between "is it held?" and
    holding it. A fetch of a version another thread of this endpoint is filling waits
    for that one and takes its outcome: a complete replica in this memory returns at
    once (nothing read); one in other memory is an ``EndpointError``.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 
 import msgspec
 from typing import Callable, Optional
@@ -53,18 +52,18 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
     started = time.monotonic()
     deadline = started + timeout
     def ask(known: dict[int, int]) -> p.Resolved:
-        return waiting.resolve(ep._call, p.Resolve(name=ep.name, model=model, version=number, group=group,
-                                                   known=known),
+        return waiting.resolve(ep.call, p.Resolve(name=ep.name, model=model, version=number, group=group,
+                                                  known=known),
                                deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
                                timeout=timeout)
 
-    holding = {h.version: h for h in ep._held() if h.model == model and h.rank < 0 and h.complete}
+    holding = {h.version: h for h in ep.replicas.all() if h.model == model and h.rank < 0 and h.complete}
     resolved = ask({n: h.digest for n, h in holding.items()})
     if not resolved.shards:  # one we hold: its manifests are ours (or, let go meanwhile, ask for them)
         mine = holding.get(resolved.version)
         resolved = ask({}) if mine is None or mine.dropped else msgspec.structs.replace(resolved, shards=mine.shards)
     resolved_at = time.monotonic()
-    with claim(ep, (model, resolved.version), deadline):
+    with ep.replicas.claim((model, resolved.version), deadline):
         held = _filled(ep, (model, resolved.version), deadline)
         if held is not None and held.complete and (
                 callable(into) or {t.data_ptr() for t in layouts.registered(into) if t.nbytes}
@@ -99,10 +98,10 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
 def _filled(ep, key: tuple[str, int], deadline: float) -> Optional[Replica]:
     """Our replica of ``key`` once no other thread is filling it (its outcome is ours:
     a complete replica or none), or None."""
-    held = ep._replicas.get(key)
+    held = ep.replicas.get(key)
     while held is not None and not held.complete and time.monotonic() < deadline:
         time.sleep(0.05)  # (a retention pull beside a `th sync`, on the agent's two workers)
-        held = ep._replicas.get(key)
+        held = ep.replicas.get(key)
     return held
 
 
@@ -118,33 +117,14 @@ def set_up(ep, resolved: p.Resolved, into, deadline: float, *, whole: bool = Fal
         raise LayoutError("a collective fetch fills the publishers' layout (whole tensors); fetch a destination "
                           "in another layout without collective=", [f"{key[0]}@{key[1]}: destination in another "
                                                                    "layout"])
-    ep._check_tier(placed, "into")
-    for old in [h for h in ep._held() if h.overlaps(placed.regions)]:
+    ep.replicas.check_tier(placed, "into")
+    for old in ep.replicas.overlapping(placed.regions):
         ep.unpublish(old.model, old.version, timeout=max(1.0, deadline - time.monotonic()))
-    ep.zombies.wait_for(key, placed.regions, deadline, ep._call)
-    held = ep._register(resolved.model, resolved.version, resolved.world, resolved.shards, -1, placed,
-                        layouts.registered(into))
-    ep._add(held)
+    ep.zombies.wait_for(key, placed.regions, deadline, ep.call)
+    held = ep.replicas.register(resolved.model, resolved.version, resolved.world, resolved.shards, -1, placed,
+                                layouts.registered(into))
+    ep.replicas.add(held)
     return held
-
-
-@contextmanager
-def claim(ep, key: tuple[str, int], deadline: float):
-    """One fetch of a version at a time between "is it held?" and holding it. Two
-    fetches of one version (a retention pull and a `th sync`, on the agent's two
-    workers) would otherwise both find it unheld, and the second to register would
-    fail "already holds" though the first would have served it."""
-    with ep._claiming:
-        if not ep._claiming.wait_for(lambda: key not in ep._claims, timeout=max(0.0, deadline - time.monotonic())):
-            raise EndpointError(f"{ep.name} is still setting up another fetch of {key[0]}@{key[1]}; "
-                                "gave up at the fetch's timeout")
-        ep._claims.add(key)
-    try:
-        yield
-    finally:
-        with ep._claiming:
-            ep._claims.discard(key)
-            ep._claiming.notify_all()
 
 
 def abort(ep, job: Fetch, held: Replica) -> None:
@@ -159,11 +139,11 @@ def abort(ep, job: Fetch, held: Replica) -> None:
     else:
         release = p.Cancel(name=ep.name, model=held.model, version=held.version, incarnation=ep.incarnation)
     try:
-        ep._call(release, timeout=ep.call_timeout_s)
+        ep.call(release, timeout=ep.call_timeout_s)
     except (HubError, HubUnreachable) as exc:
         log.warning("%s after a failed fetch: %s", type(release).__name__, exc)
     _withdraw(ep, held)
-    ep._drop(held, registration="keep" if left else "give_back")
+    ep.replicas.drop(held, registration="keep" if left else "give_back")
 
 
 def _withdraw(ep, held: Replica) -> None:
@@ -177,7 +157,7 @@ def _withdraw(ep, held: Replica) -> None:
     deadline = time.monotonic() + ep.drain_timeout_s
     while True:
         try:
-            ep._call(op, timeout=ep.call_timeout_s)
+            ep.call(op, timeout=ep.call_timeout_s)
             return
         except HubUnreachable as exc:
             if ep.service.last_error is not None or time.monotonic() >= deadline:

@@ -18,6 +18,9 @@ When the hub does not answer within ``timeout`` the publish may still reach it, 
 is withdrawn (``withdraw``: an unpublish with drain, within ``timeout`` again) and
 ``EndpointError`` raised: saying "withdrawn", the tensors are the caller's again; else
 they stay registered as published until the caller's ``unpublish`` returns.
+
+``unpublish_at_hub`` is ``Endpoint.unpublish``'s round trip: the hub's drain, waited for
+through hub restarts; the endpoint drops the replica once it returned.
 """
 
 from __future__ import annotations
@@ -50,29 +53,29 @@ def publish(ep, model: str, version: int, state_dict: dict, shard: Optional[tupl
     ready = streams.events(ready)
     streams.caught_up({device_of(t) for t in layouts.registered(state_dict) if hasattr(t, "is_cuda")}, ready)
     manifest, placed = lay_out(state_dict, chunk_bytes, ep.small_bytes)
-    ep._check_tier(placed, "state_dict")
-    busy = [h for h in ep._held() if h.overlaps(placed.regions)]
+    ep.replicas.check_tier(placed, "state_dict")
+    busy = ep.replicas.overlapping(placed.regions)
     if busy:
         raise EndpointError(f"these tensors are still published as {busy[0].model}@{busy[0].version}; "
                             "unpublish that version before publishing its memory again")
     try:  # a given-up read of a failed fetch into this memory may still write it
-        ep.zombies.wait_for(None, placed.regions, time.monotonic() + timeout, ep._call)
+        ep.zombies.wait_for(None, placed.regions, time.monotonic() + timeout, ep.call)
     except FetchError as exc:
         raise EndpointError(f"publish of {model}@{version}: {exc}") from None
-    held = ep._register(model, version, world, [manifest], rank, placed, layouts.registered(state_dict),
-                        fill=True)
+    held = ep.replicas.register(model, version, world, [manifest], rank, placed, layouts.registered(state_dict),
+                                fill=True)
     try:
         if held.reg.staged:  # lay_out's copies into staging (or a reused buffer's) may still be queued
             streams.caught_up([placed.device], None)
     except BaseException:
         ep.registrations.give_back(held.reg)
         raise
-    ep._add(held)
+    ep.replicas.add(held)
     try:
-        ep._call(p.Publish(name=ep.name, model=model, version=version, manifest=manifest,
-                           rank=rank, world=world, incarnation=ep.incarnation), timeout=timeout)
+        ep.call(p.Publish(name=ep.name, model=model, version=version, manifest=manifest,
+                          rank=rank, world=world, incarnation=ep.incarnation), timeout=timeout)
     except (HubError, EndpointError):  # refused, or never sent: the hub holds nothing of it
-        ep._drop(held)
+        ep.replicas.drop(held)
         raise
     except HubUnreachable as exc:
         withdraw(ep, held, timeout, exc)
@@ -91,8 +94,8 @@ def withdraw(ep, held: Replica, timeout: float, cause: BaseException) -> None:
     Always raises ``EndpointError``."""
     what = f"{ep.name}: publish of {held.model}@{held.version} not acknowledged within {timeout:g}s ({cause})"
     try:
-        ep._call(p.Unpublish(name=ep.name, model=held.model, version=held.version,
-                             incarnation=ep.incarnation), timeout=timeout)
+        ep.call(p.Unpublish(name=ep.name, model=held.model, version=held.version,
+                            incarnation=ep.incarnation), timeout=timeout)
     except HubError as exc:
         if exc.code not in GONE:
             raise EndpointError(f"{what}; its withdrawal failed ({exc}): the tensors stay registered as "
@@ -102,5 +105,29 @@ def withdraw(ep, held: Replica, timeout: float, cause: BaseException) -> None:
         raise EndpointError(f"{what}, nor its withdrawal ({exc}): the tensors stay registered as published "
                             f"(the hub may yet route readers to them); call unpublish({held.model!r}, "
                             f"{held.version}) before changing or freeing them") from cause
-    ep._drop(held)
+    ep.replicas.drop(held)
     raise EndpointError(f"{what}; withdrawn at the hub, the tensors are the caller's again") from cause
+
+
+def unpublish_at_hub(ep, model: str, version: int, timeout: float) -> None:
+    """``Endpoint.unpublish`` at the hub: returns once the hub acknowledged the unpublish
+    (its drain: no read of ours in flight), or forgot the version already; through hub
+    restarts, within ``timeout`` (then ``EndpointError``: the replica stays registered)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ep.call(p.Unpublish(name=ep.name, model=model, version=version, incarnation=ep.incarnation),
+                    timeout=max(0.1, deadline - time.monotonic()))
+            return
+        except HubUnreachable:
+            if time.monotonic() >= deadline:
+                raise EndpointError(f"unpublish of {model}@{version} not acknowledged within {timeout:.0f}s; "
+                                    "the replica stays registered (readers may still be reading it)") from None
+        except HubError as exc:
+            if exc.code == "unknown_endpoint":
+                time.sleep(0.05)  # (the service thread may not have noticed yet: no hot loop on the hub)
+                ep.await_registered(max(0.1, deadline - time.monotonic()))
+                continue
+            if exc.code != "not_found":  # the hub forgot it already: nothing to drain
+                raise
+            return

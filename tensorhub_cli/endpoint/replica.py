@@ -10,7 +10,7 @@ Holder notices (the peer channel's ``Await``, ``engines.wire``). A reader counts
 verified chunk held with ``mark_held``, never by adding to ``held`` directly: it wakes
 every wait for that chunk (``await_held``: an asyncio future the peer server's loop
 awaits, resolved on that loop with ``call_soon_threadsafe``). Nothing polls. ``gone``
-(the endpoint's ``_drop``) resolves every wait with None and refuses new ones, so no
+(``Replicas.drop``) resolves every wait with None and refuses new ones, so no
 wait outlives the replica. A publisher holds its whole shard from the start; it knows
 only its own manifest, not where its shard starts among the version's global chunk ids,
 so with ``world > 1`` it answers every asked chunk (the hub names it only for chunks of

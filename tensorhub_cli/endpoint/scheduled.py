@@ -168,7 +168,7 @@ class ScheduledFetch(Fetch):
         base = self.bases.get(chunk, -1)
         if base < 0 or chunk in self.no_delta or chunk in h.placed.parts:
             return False
-        old = self.ep.held_chunk(h.model, base, chunk)
+        old = self.ep.replicas.held_chunk(h.model, base, chunk)
         into = h.placed.views[chunk]
         if old is None or into is None or old.nbytes != into.nbytes:
             return False
@@ -226,7 +226,7 @@ class ScheduledFetch(Fetch):
             except HubError as exc:
                 if exc.code == "unknown_endpoint":  # the hub restarted: our holdings re-register us
                     time.sleep(0.05)
-                    self.ep._await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
+                    self.ep.await_registered(max(0.1, min(self.plan_timeout, self.deadline - time.monotonic())))
                     continue
                 if exc.code == "rebuilding":
                     time.sleep(min(0.1, max(0.0, self.deadline - time.monotonic())))

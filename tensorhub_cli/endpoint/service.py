@@ -9,7 +9,7 @@ the next beat meets ``unknown_endpoint``; a Register repeated with the same inca
 keeps every pin and pending unpublish at the hub (contract 3). ``fenced`` means another
 process replaced us under our name: the thread stops for good (no more beats), and
 ``fenced`` says why, so fetches in progress and later calls fail naming it. Each beat
-also reaps reads a failed fetch left behind (``Endpoint._reap``). The hub takes any
+also reaps reads a failed fetch left behind (``Endpoint.reap``). The hub takes any
 plan of ours for a beat too: a beat falling due less than ``heartbeat_s`` after the
 hub answered one of our plans (``Endpoint.heard``) is put off to a period after that
 answer, so the hub still hears from us at least once a period.
@@ -115,7 +115,7 @@ class Service:
         """Reads a failed fetch left behind: released, and unpinned once stopped (once a
         beat period, beat or not)."""
         try:
-            self.ep._reap(lambda op, timeout: self.client.call(op, timeout=timeout))
+            self.ep.reap(lambda op, timeout: self.client.call(op, timeout=timeout))
         except Exception:
             log.exception("%s: reaping stopped reads failed", self.ep.name)
 

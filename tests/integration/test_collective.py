@@ -214,11 +214,11 @@ def member(args: dict) -> int:
                 v = ep.fetch("policy", "latest", into=into, group="inst-0", timeout=cmd["timeout"],
                              collective=dist.group.WORLD)
             out = {"measured": measured, "version": v, "equal": all(torch.equal(want[k], into[k]) for k in want),
-                   "stats": ep.last_fetch, "total": sum(h.placed.views[c].nbytes for h in ep._held()
+                   "stats": ep.last_fetch, "total": sum(h.placed.views[c].nbytes for h in ep.replicas.all()
                                                        for c in range(len(h.placed.views)))}
         except Exception as exc:
             out = {"error": str(exc), "type": type(exc).__name__, "elapsed": time.monotonic() - began,
-                   "holds": bool(ep._held())}
+                   "holds": bool(ep.replicas)}
         print(json.dumps(out), flush=True)
     return 0
 

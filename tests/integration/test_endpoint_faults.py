@@ -81,9 +81,9 @@ def test_slow_heartbeat_replies_keep_pins_and_the_pending_unpublish(hub3, monkey
 
     t = threading.Thread(target=fetch)
     t.start()
-    wait_until(lambda: (h := reader._replicas.get(("m", 1))) and h.reading, 20, "the reader's reads in flight")
+    wait_until(lambda: (h := reader.replicas.get(("m", 1))) and h.reading, 20, "the reader's reads in flight")
     pub.unpublish("m", 1, timeout=60)  # before the fix: HubError "expired" (the hub dropped pub)
-    held = reader._replicas.get(("m", 1))
+    held = reader.replicas.get(("m", 1))
     assert held is None or not held.reading, "unpublish returned with reads of its memory in flight"
     t.join(60)
     assert result.get("version") == 1, result
@@ -107,7 +107,7 @@ def test_a_replaced_endpoint_is_fenced_its_fetch_fails_naming_it_and_it_stops_be
 
     t = threading.Thread(target=fetch)
     t.start()
-    wait_until(lambda: (h := old._replicas.get(("m", 1))) and h.reading, 20, "the old process's reads in flight")
+    wait_until(lambda: (h := old.replicas.get(("m", 1))) and h.reading, 20, "the old process's reads in flight")
     new = join("x")  # same name, same pid, another incarnation: the hub replaces the old one
     t.join(30)
     assert isinstance(result.get("error"), FetchError) and "fenced" in str(result["error"]), result
@@ -214,7 +214,7 @@ def test_a_publish_that_timed_out_is_withdrawn_at_the_hub_before_its_memory_is_l
     with pytest.raises(EndpointError, match="withdrawn"):  # (4 s: past the hub's start-up grace, no drain ends)
         pub.publish("m", 1, tensors(1, 2), timeout=4.0)
     monkeypatch.undo()
-    assert ("m", 1) not in pub._replicas
+    assert ("m", 1) not in pub.replicas
     versions = client.call(p.Versions(model="m"), timeout=5).versions
     assert all(v.replicas == 0 for v in versions), versions  # before the fix: READY, held by pub's let-go memory
 
@@ -226,9 +226,9 @@ def test_a_publish_whose_withdrawal_is_unanswered_too_keeps_its_memory_registere
     with pytest.raises(EndpointError, match="unpublish"):
         pub.publish("m", 1, tensors(1, 2), timeout=0.5)
     monkeypatch.undo()
-    assert ("m", 1) in pub._replicas, "memory the hub may still route readers to was let go"
+    assert ("m", 1) in pub.replicas, "memory the hub may still route readers to was let go"
     pub.unpublish("m", 1, timeout=10)
-    assert ("m", 1) not in pub._replicas
+    assert ("m", 1) not in pub.replicas
 
 
 def test_a_retention_pull_beside_a_sync_fetch_of_the_same_version_shares_its_outcome(hub3, monkeypatch):
@@ -250,7 +250,7 @@ def test_a_retention_pull_beside_a_sync_fetch_of_the_same_version_shares_its_out
 
     first = threading.Thread(target=fetch)
     first.start()
-    wait_until(lambda: (h := agent._replicas.get(("m", 1))) and h.reading, 20, "the first fetch's reads")
+    wait_until(lambda: (h := agent.replicas.get(("m", 1))) and h.reading, 20, "the first fetch's reads")
     fetch()
     first.join(30)
     assert results == [1, 1], results

@@ -148,7 +148,7 @@ def test_a_tile_corrupted_at_the_publisher_is_never_accepted(hub):
     full = {"w": torch.randn(256, 64)}
     pubs = publish_sharded(hub, full, 1)
     try:
-        pubs[0]._replicas[("m", 1)].placed.keep[0].view(-1)[5] += 1.0  # after hashing: corrupt memory
+        pubs[0].replicas.get(("m", 1)).placed.keep[0].view(-1)[5] += 1.0  # after hashing: corrupt memory
         with connect(hub, TOKEN, name="col", **SMALL) as ep:
             dst = torch.zeros(256, 32)
             with pytest.raises(Exception) as err:
@@ -226,7 +226,7 @@ def test_a_copy_in_the_publishers_layout_holds_every_chunk_and_serves_after_they
     pubs = publish_sharded(hub, full, 2, dim=1)
     with connect(hub, TOKEN, name="agentlike", **SMALL) as keeper:
         keeper.fetch("m", 1, into=allocate, timeout=30)
-        held = keeper._replicas[("m", 1)]
+        held = keeper.replicas.get(("m", 1))
         assert held.placed.wanted is None and len(held.held) == len(held.placed.views)
         for ep in pubs:
             ep.close()

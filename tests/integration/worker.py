@@ -104,7 +104,7 @@ def handle(ep, tensors: dict, op: str, c: dict) -> dict:
                     "unchanged": all(torch.equal(before[k], dst[k]) for k in dst)}
         return {"error": None}
     if op == "corrupt":
-        view = ep._replicas[key].placed.views[c["chunk"]]
+        view = ep.replicas.get(key).placed.views[c["chunk"]]
         view[0] = (int(view[0]) + 1) % 256
         return {"corrupted": c["chunk"]}
     if op == "unpublish":

@@ -57,7 +57,7 @@ def member(log: list, *, device: int = -1) -> collective.Member:
     real_submit = pool.submit
     pool.submit = lambda fn, c: (log.append(("hash", c)), real_submit(fn, c))[1]
     ep = SimpleNamespace(name="m0", incarnation="i", call_timeout_s=1.0, verifiers=pool,
-                         _call=lambda op, timeout: p.Ok())
+                         call=lambda op, timeout: p.Ok())
     comm = Group(published.views, log)
     me = collective.Member(ep, comm)
     me.held = held

@@ -218,17 +218,15 @@ def test_publishing_or_fetching_memory_of_another_tier_is_refused_before_anythin
 
     import pytest
 
-    from tensorhub_cli.endpoint.endpoint import Endpoint
+    from tensorhub_cli.endpoint.replicas import Replicas
+    from tensorhub_cli.engines.serve import Regions
     from tensorhub_cli.errors import BadArgument
-    from tensorhub_cli.hub import protocol as p
 
-    ep = Endpoint.__new__(Endpoint)
-    ep.name = "r"
-    ep.info = p.EndpointInfo(name="r", node="n", tier="host")
+    host = Replicas("r", "host", registrations=None, served=Regions())  # (nothing registers: refused first)
     with pytest.raises(BadArgument, match=r"into: its tensors are in cuda:0, but r joined with tier 'host'; "
                                           r"connect with device='cuda:0'"):
-        ep._check_tier(SimpleNamespace(device=0), "into")
-    ep._check_tier(SimpleNamespace(device=-1), "into")  # host memory on a host tier: fine
-    ep.info = p.EndpointInfo(name="r", node="n", tier="device")
+        host.check_tier(SimpleNamespace(device=0), "into")
+    host.check_tier(SimpleNamespace(device=-1), "into")  # host memory on a host tier: fine
+    device = Replicas("r", "device", registrations=None, served=Regions())
     with pytest.raises(BadArgument, match="state_dict: its tensors are in host memory"):
-        ep._check_tier(SimpleNamespace(device=-1), "state_dict")
+        device.check_tier(SimpleNamespace(device=-1), "state_dict")

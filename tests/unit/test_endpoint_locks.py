@@ -1,4 +1,4 @@
-"""Endpoint state shared between threads: the replica table is read under its lock."""
+"""Endpoint state shared between threads: the replica table (``Replicas``) is read under its lock."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 import torch
 
 from tensorhub_cli.endpoint.endpoint import Endpoint
+from tensorhub_cli.endpoint.replicas import Replicas
 from tensorhub_cli.endpoint.zombies import Zombies
 from tensorhub_cli.engines.serve import Regions
 from tensorhub_cli.engines.tcp import TcpEngine
@@ -45,11 +46,11 @@ def bare_endpoint() -> Endpoint:
     ep = Endpoint.__new__(Endpoint)
     ep.name, ep.incarnation, ep.chunk_bytes, ep.small_bytes = "e", "i1", 1 << 20, 1 << 10
     ep.info = p.EndpointInfo(name="e", node="n")
-    ep._lock = threading.Lock()
-    ep._replicas = Guarded(ep._lock)
     ep.served = Regions()
     ep.engine = ep.tcp = TcpEngine("t")
-    ep._call = lambda op, timeout: p.Ok()
+    ep.replicas = Replicas(ep.name, ep.info.tier, ep.registrations, ep.served)
+    ep.replicas._table = Guarded(ep.replicas._lock)  # (the table itself: what this test watches)
+    ep.call = lambda op, timeout: p.Ok()
     ep.zombies = Zombies("e", "i1", lambda key: None, 1.0)
     return ep
 
@@ -59,6 +60,6 @@ def test_publish_walks_the_replicas_under_the_lock():
     try:
         ep.publish("m", 1, {"w": torch.ones(1024)})
         ep.publish("m", 2, {"w": torch.ones(1024)})  # a walk over a table that holds one
-        assert len(dict.keys(ep._replicas)) == 2
+        assert len(ep.replicas) == 2 and len(dict.keys(ep.replicas._table)) == 2
     finally:
         ep.tcp.close()

@@ -54,7 +54,7 @@ def fake_endpoint() -> SimpleNamespace:
     return SimpleNamespace(name="e", incarnation="i1", info=p.EndpointInfo(name="e", node="n", incarnation="i1"),
                            holdings=lambda: [], holds_memory=lambda: False,
                            engine=SimpleNamespace(needs_progress=False), peer=SimpleNamespace(last_ask=0.0),
-                           _reap=lambda call: None, heard_at=float("-inf"))
+                           reap=lambda call: None, heard_at=float("-inf"))
 
 
 def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():

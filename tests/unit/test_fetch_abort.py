@@ -59,8 +59,8 @@ def test_a_failed_fetch_drops_its_replica_only_after_the_hub_drained_it(monkeypa
     monkeypatch.setattr(fetching, "Fetch", ServedThenFailed)
     monkeypatch.setattr(fetching, "ScheduledFetch", ServedThenFailed)  # (the job class either way)
     dropped = []
-    real_drop = reader._drop
-    monkeypatch.setattr(reader, "_drop", lambda held, **kw: (dropped.append(list(log)), real_drop(held, **kw)))
+    real_drop = reader.replicas.drop
+    monkeypatch.setattr(reader.replicas, "drop", lambda held, **kw: (dropped.append(list(log)), real_drop(held, **kw)))
     with pytest.raises(FetchError, match="failed after serving"):
         reader.fetch("m", 1, into={k: torch.zeros_like(v) for k, v in weights(1).items()}, timeout=5)
     assert dropped and ("drained", 1) in dropped[0], \
@@ -90,4 +90,4 @@ def test_a_failed_fetch_does_not_wait_out_the_drain_bound_for_a_hub_that_answers
     with pytest.raises(FetchError, match="failed after serving"):
         reader.fetch("m", 1, into={k: torch.zeros_like(v) for k, v in weights(1).items()}, timeout=5)
     assert time.monotonic() - began < 5, "a failed fetch waited out drain_timeout_s for a hub that is gone"
-    assert reader._held() == []
+    assert reader.replicas.all() == []

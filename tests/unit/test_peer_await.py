@@ -119,7 +119,7 @@ def test_a_wait_is_refused_when_the_replica_is_dropped(rig):
     held = replicas[("m", 1)] = replica()
     t, out = waiting(wire.await_chunks, server.address, TOKEN, "m", 1, 0b1, 20.0)
     wait_subscribed(held)
-    del replicas[("m", 1)]  # what ``Endpoint._drop`` does
+    del replicas[("m", 1)]  # what ``Replicas.drop`` does
     held.gone()
     t.join(timeout=10)
     assert not t.is_alive(), "a wait outlived its replica"
@@ -174,18 +174,18 @@ def test_an_answered_connection_serves_the_next_ask(rig):
 
 
 def test_an_endpoint_dropping_its_replica_refuses_the_waits_for_it():
-    """``Endpoint._drop`` (unpublish, release, a failed fetch) answers its waits."""
+    """``Replicas.drop`` (unpublish, release, a failed fetch) answers its waits."""
     from .test_registration_cache import CountingEngine, Hub, bare_endpoint
 
     ep = bare_endpoint(CountingEngine(), Hub([]))
     held = replica()
-    ep._add(held)
+    ep.replicas.add(held)
     server = PeerServer("127.0.0.1", TOKEN, lambda ask: wire.Refused(code="x", message=""), ep.served,
-                        replica=ep._replicas.get)  # (as ``Endpoint.__init__`` builds it)
+                        replica=ep.replicas.get)  # (as ``Endpoint.__init__`` builds it)
     try:
         t, out = waiting(wire.await_chunks, server.address, TOKEN, "m", 1, 0b1, 20.0)
         wait_subscribed(held)
-        ep._drop(held)
+        ep.replicas.drop(held)
         t.join(timeout=10)
         assert "dropped" in str(out.get("error")), out
     finally:

@@ -17,7 +17,9 @@ import torch
 from tensorhub_cli import BadArgument
 from tensorhub_cli.endpoint import fetching, streams
 from tensorhub_cli.endpoint.endpoint import Endpoint
+from tensorhub_cli.endpoint.hub_sockets import HubSockets
 from tensorhub_cli.endpoint.registrations import Registrations
+from tensorhub_cli.endpoint.replicas import Replicas
 from tensorhub_cli.endpoint.fetch import FetchError
 from tensorhub_cli.endpoint.inflight import Zombie
 from tensorhub_cli.endpoint.zombies import Zombies
@@ -93,15 +95,13 @@ def bare_endpoint(engine: Engine, hub: Hub, cap: int | None = None) -> Endpoint:
     ep.read_timeout_s = ep.plan_timeout_s = ep.call_timeout_s = 5.0
     ep.drain_timeout_s = 5.0
     ep.service = SimpleNamespace(last_error=None)  # (the hub answers our beats)
-    ep._lock = threading.Lock()
-    ep._replicas = {}
-    ep._claims, ep._claiming = set(), threading.Condition()
     ep.served = Regions()
     ep.engine = ep.tcp = engine
-    ep._call = hub
-    ep.zombies = Zombies("e", "i1", ep._replicas.get, 1.0, let_go=lambda reg: ep.registrations.give_back(reg))
+    ep.call = hub
     if cap is not None:
         ep._registrations = Registrations(engine, cap)
+    ep.replicas = Replicas(ep.name, ep.info.tier, ep.registrations, ep.served)  # (as ``Endpoint.__init__``)
+    ep.zombies = Zombies("e", "i1", ep.replicas.get, 1.0, let_go=lambda reg: ep.registrations.give_back(reg))
     return ep
 
 
@@ -109,7 +109,7 @@ def close(ep: Endpoint) -> None:
     """``Endpoint.close(drain_timeout=0)`` with its threads stubbed out."""
     ep.service = SimpleNamespace(registered=threading.Event(), stop=lambda: None)
     ep.peer = SimpleNamespace(close=lambda: None)
-    ep._rpcs, ep._rpcs_lock = [], threading.Lock()
+    ep._sockets = HubSockets(lambda: None)  # (none made: ``call`` is the test's hub)
     ep.engine.close = lambda: None
     ep.verifiers = ThreadPoolExecutor(1)
     ep.close(drain_timeout=0)
@@ -154,7 +154,7 @@ def rig(monkeypatch):
 
 def publish(ep: Endpoint, version: int, sd: dict, model: str = "m") -> p.Manifest:
     manifest = ep.publish(model, version, sd)
-    CopyFetch.source[(model, version)] = ep._replicas[(model, version)].placed.views
+    CopyFetch.source[(model, version)] = ep.replicas.get((model, version)).placed.views
     return manifest
 
 
@@ -170,7 +170,7 @@ def test_a_second_publish_of_the_same_parameters_registers_nothing_new(rig):
     assert len(engine.calls("register")) == 1 and not engine.calls("deregister")
     # What v2 serves is v2's bytes, small tensors included (copied into the staging
     # buffer the first version registered).
-    held = ep._replicas[("m", 2)]
+    held = ep.replicas.get(("m", 2))
     assert [held.placed.checksum(c) for c in range(len(v2.chunks))] == [c.checksum for c in v2.chunks]
     assert verify([v2], sd) == []
     assert {r.addr for r in held.placed.regions} == {r.addr for r in engine.calls("register")[0]}
@@ -188,7 +188,7 @@ def test_the_same_destination_fetched_twice_registers_once(rig):
     assert reader.fetch("m", 2, into=into) == 2  # unpublishes 1 from these tensors first
     assert all(torch.equal(into[k], v) for k, v in weights(2).items())  # (through the reused staging buffer)
     assert len(engine.calls("register")) == 1 and not engine.calls("deregister")
-    assert [h.version for h in reader._held()] == [2]
+    assert [h.version for h in reader.replicas.all()] == [2]
     other = {k: torch.zeros_like(v) for k, v in weights(1).items()}
     reader.fetch("m", 1, into=other)  # other memory: registered anew; 2's stays in use
     assert len(engine.calls("register")) == 2 and all(torch.equal(other[k], v) for k, v in weights(1).items())
@@ -252,7 +252,7 @@ def test_a_tensor_of_another_size_at_a_registered_address_is_registered_anew(rig
     assert first[0].addr == second[0].addr and (first[0].nbytes, second[0].nbytes) == (8192 * 4, 2048 * 4)
     # The old registration was let go before the overlapping one was made.
     assert [what for what, *_ in engine.log if what != "hub"] == ["register", "deregister", "register"]
-    assert ep._replicas[("n", 1)].placed.regions[0].nbytes == 2048 * 4
+    assert ep.replicas.get(("n", 1)).placed.regions[0].nbytes == 2048 * 4
 
 
 def test_cached_memory_stays_allocated_until_deregistered(rig):
@@ -299,7 +299,7 @@ def test_every_version_of_the_in_place_loop_reuses_the_first_registration(rig):
     sd = weights(1)
     for v in range(1, 6):
         manifest = publish(ep, v, sd)
-        served = ep._replicas[("m", v)].placed
+        served = ep.replicas.get(("m", v)).placed
         assert [served.checksum(c) for c in range(len(manifest.chunks))] == [c.checksum for c in manifest.chunks]
         ep.unpublish("m", v)
         sd["b1"].add_(1)  # a small tensor changes each step: the staging buffer is refilled

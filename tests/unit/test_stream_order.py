@@ -111,12 +111,12 @@ def test_a_bad_ready_is_named_and_nothing_is_registered(log):
     ep = bare_endpoint(CountingEngine(log), Hub(log))
     with pytest.raises(BadArgument, match="ready"):
         ep.publish("m", 1, weights(1), ready=[object()])
-    assert kinds(log) == [] and not ep._held()
+    assert kinds(log) == [] and not ep.replicas
 
 
 def test_fetch_makes_its_callers_stream_wait_for_the_last_scatter_before_returning(log):
     pub = bare_endpoint(CountingEngine(), Hub(log))
-    reader = bare_endpoint(CountingEngine(), pub._call)
+    reader = bare_endpoint(CountingEngine(), pub.call)
     publish(pub, 1, weights(1))
     into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
     log.clear()
@@ -163,11 +163,11 @@ def test_the_fetch_loop_records_an_event_after_each_scatter(log):
 
 def test_dropping_a_replica_waits_for_its_scatters_on_the_host(log):
     pub = bare_endpoint(CountingEngine(), Hub(log))
-    reader = bare_endpoint(CountingEngine(), pub._call)
+    reader = bare_endpoint(CountingEngine(), pub.call)
     publish(pub, 1, weights(1))
     into = {k: torch.zeros_like(v) for k, v in weights(1).items()}
     reader.fetch("m", 1, into=into)
-    written = reader._replicas[("m", 1)].written
+    written = reader.replicas.get(("m", 1)).written
     log.clear()
     reader.unpublish("m", 1)  # its staging goes back to the cache, where an engine may write it again
     assert ("host waits", written) in log

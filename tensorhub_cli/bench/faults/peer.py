@@ -58,7 +58,10 @@ class FaultPeer(Peer):
 
     def corrupt(self, model: str, version: int) -> dict:
         """Flip one byte of every chunk we hold (the test hook of tests/integration/worker.py)."""
-        views = self.ep._replicas[(model, version)].placed.views
+        held = self.ep.replicas.get((model, version))
+        if held is None:
+            return {"error": f"{self.ep.name} holds no replica of {model}@{version}"}
+        views = held.placed.views
         for view in views:
             view[0] = (int(view[0]) + 1) % 256
         return {"corrupted": len(views)}
@@ -77,7 +80,7 @@ class FaultPeer(Peer):
         lock = getattr(self.ep.engine, "_lock", None)
         if lock is None:
             return {"error": f"the {self.ep.engine.kind} engine has no progress to stall"}
-        for held in self.ep._held():  # (our peer channel answers from these while the engine is held)
+        for held in self.ep.replicas.all():  # (our peer channel answers from these while the engine is held)
             held.described(self.ep.engine)
         taken, until = threading.Event(), []
 
