@@ -73,13 +73,14 @@ def test_source_killed_midway_the_fetch_completes_from_the_others(hub):
     pub.ask("publish", model="m", version=1, seed=3, mib=32, chunk_mib=1)
     assert second.ask("fetch", model="m", seed=3, mib=32, window=16, timeout=60)["equal"]
     reader.send("fetch", model="m", seed=3, mib=32, window=4, timeout=60)
-    total = 32 << 20
     # its first report (about half its chunks; the next is the last)
     wait_until(lambda: (h := holder(client, "m", 1, "reader")) and h.held_bytes > 0, 60, "reader's first report")
-    assert holder(client, "m", 1, "reader").held_bytes < total  # the kill lands mid-fetch
-    pub.kill()
+    assert holder(client, "m", 1, "reader").held_bytes < 32 << 20  # the kill lands mid-fetch
+    second.kill()  # its source: the hub feeds a reader from readers before publishers
     res = reader.recv(90)
     assert res.get("version") == 1 and res["equal"], res
+    assert res["stats"]["failed"] >= 1, f"the kill did not cut a read of the fetch: {res['stats']}"
+    assert res["stats"]["from_publishers"] > 0, f"the rest did not come from the publisher: {res['stats']}"
 
 
 def test_last_holder_killed_gives_a_clear_error_not_a_hang(hub):
