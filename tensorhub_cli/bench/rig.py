@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from ..hub.client import HubUnreachable, wait_for_hub
+from ..hub.mustering import MUSTER_S
 from ..launch.procs import kill_child, stop_child
 
 
@@ -35,10 +36,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextlib.contextmanager
 def hub(planner: str = "ros", expiry_s: float = 5.0, token: str | None = None, host: str = "127.0.0.1",
-        prefix: list[str] | None = None, deltas: str = "remote"):
+        prefix: list[str] | None = None, deltas: str = "remote", muster_s: float = MUSTER_S):
     """A hub process → (address, token); on loopback, or at ``host`` through ``prefix``
-    (``HubProcess``); ``deltas``: its default delta mode (``hub.deltas``)."""
-    with HubProcess(planner, expiry_s, token, host, prefix, deltas=deltas) as h:
+    (``HubProcess``); ``deltas``: its default delta mode (``hub.deltas``); ``muster_s``:
+    its ``--muster-s`` (``hub.mustering``)."""
+    with HubProcess(planner, expiry_s, token, host, prefix, deltas=deltas, muster_s=muster_s) as h:
         yield h.address, h.token
 
 
@@ -123,10 +125,11 @@ class HubProcess:
     the process is stopped by its PID on exit, whatever happened."""
 
     def __init__(self, planner: str = "ros", expiry_s: float = 5.0, token: str | None = None,
-                 host: str = "127.0.0.1", prefix: list[str] | None = None, deltas: str = "remote"):
+                 host: str = "127.0.0.1", prefix: list[str] | None = None, deltas: str = "remote",
+                 muster_s: float = MUSTER_S):
         """``host``/``prefix``: run it elsewhere, e.g. inside a testbed node (where the
         port is surely free)."""
-        self.deltas = deltas
+        self.deltas, self.muster_s = deltas, muster_s
         self.token = token or secrets.token_hex(16)
         self.planner, self.expiry_s, self.prefix = planner, expiry_s, prefix
         self._tmp = tempfile.TemporaryDirectory(prefix="th-rig-")
@@ -140,7 +143,8 @@ class HubProcess:
         self.proc = subprocess.Popen([*(self.prefix or []), sys.executable, "-m", "tensorhub_cli.hub", "--bind",
                                       self.address,
                                       "--token-file", str(self.token_file), "--expiry-s", str(self.expiry_s),
-                                      "--planner", self.planner, "--deltas", self.deltas], stdout=self.log, stderr=subprocess.STDOUT)
+                                      "--planner", self.planner, "--deltas", self.deltas, "--muster-s",
+                                      str(self.muster_s)], stdout=self.log, stderr=subprocess.STDOUT)
         proc = self.proc
         try:
             wait_for_hub(self.address, self.token, timeout=timeout, alive=lambda: proc.poll() is None)

@@ -105,14 +105,11 @@ def _fabric(per_rack: int, node_mbit: float, rack_mbit: float | None, eff: dict[
 
 def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, planner: str, node_mbit: float,
                    rack_mbit: float | None, eff: dict[str, float], host_bytes_per_s: float | None,
-                   protocol: str | None = None, serial_heads: bool = True, muster_s: float | None = None) -> World:
+                   protocol: str | None = None) -> World:
     per, _ = testbed_layout(nodes, racks)
-    if muster_s is not None:
-        params = params.model_copy(update={"hub": params.hub.model_copy(update={"muster_s": muster_s})})
     tb = params.testbed
     base = tb.schedule_fetch if protocol == "schedule" else tb.fetch
-    fetch = base.model_copy(update={"window": window, "serial_heads": serial_heads,
-                                    **({"protocol": protocol} if protocol else {})})
+    fetch = base.model_copy(update={"window": window, **({"protocol": protocol} if protocol else {})})
     return World(params, [nodes], planner=planner, fetch=fetch,
                  fabric=_fabric(per, node_mbit, rack_mbit, eff, host_bytes_per_s), overhead_s=tb.request_overhead_s,
                  exact=True)
@@ -121,18 +118,17 @@ def _testbed_world(params: SimParams, *, nodes: int, racks: int, window: int, pl
 def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk_bytes: int, window: int,
                planner: str, node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
                nodes: int = 8, racks: int = 2, host_bytes_per_s: float | None = None,
-               protocol: str | None = None, serial_heads: bool = True,
-               muster_s: float | None = None) -> list[list[float]]:
+               protocol: str | None = None) -> list[list[float]]:
     """Per round, each reader's fetch (seconds from its start until it holds every
     chunk), readers named by testbed node ("n3"). The publisher (and the hub) on n1.
     A round's readers start together once the round before has ended, and keep what
     they fetched: later rounds may read from them (an RL joiner after the standing
     rollouts). With ``host_bytes_per_s`` every transfer also shares the one host's CPU
-    (``host_rate``). ``serial_heads``: as ``Fetch.serial_heads``; ``muster_s``: the
-    hub's (None: the params')."""
+    (``host_rate``). The hub and the readers are ``params``' (``as_measured``: a
+    file's)."""
     world = _testbed_world(params, nodes=nodes, racks=racks, window=window, planner=planner, node_mbit=node_mbit,
                            rack_mbit=rack_mbit, eff=eff or efficiencies(params, {}), host_bytes_per_s=host_bytes_per_s,
-                           protocol=protocol, serial_heads=serial_heads, muster_s=muster_s)
+                           protocol=protocol)
     pub = world.endpoint("publisher", 0, "trainer")
     eps = [[world.endpoint(f"reader-{node}", int(node[1:]) - 1, "rollout") for node in names] for names in rounds]
     sc.register(world, [pub, *(ep for names in eps for ep in names)])
@@ -149,15 +145,14 @@ def loop_times(params: SimParams, *, rounds: list[list[str]], nbytes: int, chunk
 def fanout_time(params: SimParams, *, readers: int, nbytes: int, chunk_bytes: int, window: int, planner: str,
                 node_mbit: float, rack_mbit: float | None, eff: dict[str, float] | None = None,
                 nodes: int | None = None, racks: int = 2, host_bytes_per_s: float | None = None,
-                protocol: str | None = None, serial_heads: bool = True, muster_s: float | None = None) -> float:
+                protocol: str | None = None) -> float:
     """Seconds from the fetches' start until the last reader holds every chunk: the
     fan-out bench's readers (``bench.fanout``'s order) all starting at once."""
     nodes = nodes or readers + 1
     _, order = testbed_layout(nodes, racks)
     return max(loop_times(params, rounds=[order[:readers]], nbytes=nbytes, chunk_bytes=chunk_bytes, window=window,
                           planner=planner, node_mbit=node_mbit, rack_mbit=rack_mbit, eff=eff, nodes=nodes,
-                          racks=racks, host_bytes_per_s=host_bytes_per_s, protocol=protocol,
-                          serial_heads=serial_heads, muster_s=muster_s)[0])
+                          racks=racks, host_bytes_per_s=host_bytes_per_s, protocol=protocol)[0])
 
 
 def broadcast_time(*, readers: int, nbytes: int, node_mbit: float, rack_mbit: float | None,
@@ -199,6 +194,19 @@ def _children(rank: int, world: int) -> list[int]:
     return out
 
 
+def as_measured(params: SimParams, res: dict) -> SimParams:
+    """``params`` with the hub and readers a fan-out file ran: chain heads read one
+    chunk at a time only where it says ``"heads": "serial"`` (before, their whole
+    window), and the hub mustered for its ``"muster_s"`` (before musters: none, plans
+    answered as they came)."""
+    tb, serial = params.testbed, res.get("heads") == "serial"
+    return params.model_copy(update={
+        "hub": params.hub.model_copy(update={"muster_s": res.get("muster_s", 0.0)}),
+        "testbed": tb.model_copy(update={"fetch": tb.fetch.model_copy(update={"serial_heads": serial}),
+                                         "schedule_fetch": tb.schedule_fetch.model_copy(update={"serial_heads": serial})}),
+    })
+
+
 def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None, skipped: list[str]) -> list[dict]:
     """``host``: the file's ``host_rate`` (gloo's CPU is not measured: the broadcast arm
     is predicted without it). Ours' rows of a file whose scheduled readers were chained
@@ -211,6 +219,7 @@ def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None, sk
     shape = {"nbytes": res["bytes"], "node_mbit": rates["node"], "rack_mbit": rates.get("rack"), "eff": eff,
              "nodes": tb.get("nodes"), "racks": tb.get("racks", 2)}
     out = []
+    measured = as_measured(params, res)
     unordered = res.get("protocol") == "schedule" and "muster_s" not in res
     if unordered:
         skipped.append(f"{name}: ours' rows (chained in arrival order, not recorded: before musters)")
@@ -220,15 +229,10 @@ def _fanout_rows(params: SimParams, name: str, doc: dict, host: float | None, sk
                 continue
             if arm == "broadcast":
                 pred = broadcast_time(readers=row["readers"], **shape)
-            else:
-                # (files from before readers scheduled say nothing: the windowed loop; from
-                # before chain heads read one chunk at a time, no "heads"; from before
-                # musters, no "muster_s": plans answered as they came)
-                pred = fanout_time(params, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
+            else:  # (files from before readers scheduled say nothing: the windowed loop)
+                pred = fanout_time(measured, readers=row["readers"], chunk_bytes=res["chunk_bytes"],
                                    window=res["window"], planner="ros" if arm == "ours" else "star",
-                                   host_bytes_per_s=host, protocol=res.get("protocol", "window"),
-                                   serial_heads=res.get("heads") == "serial",
-                                   muster_s=res.get("muster_s", 0.0), **shape)
+                                   host_bytes_per_s=host, protocol=res.get("protocol", "window"), **shape)
             meas = row[key]
             out.append({"scenario": f"fanout {arm} readers={row['readers']}", "measured_s": round(meas, 4),
                         "predicted_s": round(pred, 4), "error": round(abs(pred - meas) / meas, 4), "source": name})

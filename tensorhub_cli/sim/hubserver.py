@@ -128,7 +128,8 @@ class HubServer:
         self.cpu[kind] = self.cpu.get(kind, 0.0) + cpu
         n = len(op) if isinstance(op, list) else 1
         self.calls[kind] = self.calls.get(kind, 0) + n
-        busy = (cpu * self.cpu_scale + n * self.overhead_s) if self.charge else 0.0
+        requests = 0 if op is None or op == _MUSTER else n  # (the sweep and a muster's close: the hub's own timers)
+        busy = (cpu * self.cpu_scale + requests * self.overhead_s) if self.charge else 0.0
         self.busy_s += busy
         self.loop.at(now + busy, self._served, body, reply, answers)
         due = self.hub.due()
