@@ -15,6 +15,8 @@ tensor is ``whole``, a DTensor its local box: ``layout.dtensor.target``).
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import LayoutError
 from ..hub import protocol as p
 from ..layout import dtensor
@@ -25,11 +27,11 @@ from ..layout.targets import Part, Target, whole
 
 
 def _is_dtensor(value) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # (a torch without torch.distributed)
-        return False
-    return isinstance(value, DTensor)
+    # Nothing is a DTensor until torch.distributed.tensor is imported, so ask only then:
+    # importing it to ask cost a testbed reader's first fetch about 4 CPU-s (py-spy).
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(value, cls)
 
 
 def published(state_dict: dict, shard) -> tuple[dict, tuple[int, int]]:

@@ -211,3 +211,28 @@ def test_plain_state_dict_passes_through():
     sd = {"a": torch.ones(2), "b": torch.zeros(3, 1)}
     got, rw = parts(sd)
     assert rw is None and got.keys() == sd.keys() and all(got[k] is sd[k] for k in sd)
+
+
+def test_plain_tensors_never_import_dtensor_and_a_dtensor_is_still_recognised():
+    """Asking whether a value is a DTensor imports nothing (the import cost a reader's
+    first fetch seconds of CPU); once DTensors exist, they are recognised."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from tensorhub_cli.endpoint import layouts
+plain = {"w": torch.zeros(4)}
+assert layouts.published(plain, None) == (plain, (0, 1))
+assert not layouts._is_dtensor(plain["w"])
+assert "torch.distributed.tensor" not in sys.modules, "asking imported torch.distributed.tensor"
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+d = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Replicate()])
+assert layouts._is_dtensor(d) and not layouts._is_dtensor(plain["w"])
+dist.destroy_process_group()
+""" % free_port()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
