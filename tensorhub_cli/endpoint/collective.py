@@ -170,7 +170,7 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
             nonlocal resolved
             if resolved.version != number:  # (no group round tied us to rank 0's)
                 resolved = waiting.resolve(ep.call, p.Resolve(name=ep.name, model=model, version=number),
-                                          deadline=deadline, each=min(resolve_timeout, timeout), wait=False,
+                                           deadline=deadline, each=min(resolve_timeout, timeout), wait=False,
                                            timeout=timeout)
             _read(me, resolved, into, deadline, window, read_timeout, plan_timeout)
 

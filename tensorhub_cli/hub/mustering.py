@@ -10,10 +10,8 @@ Protocol. A reader's first scheduled plan of a version, for a swarm (DC, want) t
 has no members yet, is not answered at once: ``reading.plan`` parks it here (it
 returns None; the service holds the reply under ``key(op)``) and the swarm's muster
 opens for ``HubConfig.muster_s``. Every first plan for that swarm within it is parked
-too, however long it then waits in the service's backlog: the service runs the close
-behind every request it took before ``due()`` (``HubService.close_musters``), so a
-busy hub's burst of first plans joins the muster. ``close(now)`` runs the parked plans
-in the muster's order and queues each answer as an ``Answered`` for its key: the readers
+too. ``close(now)`` (the service calls it at ``due()``) runs the parked plans in the
+muster's order and queues each answer as an ``Answered`` for its key: the readers
 join the swarm sorted by where they sit (racks of the swarm's publishers first, then
 by rack and node), dealt so that each chain gets a run of neighbours. Readers joining
 after the muster closed go behind a chain's tail, as before. Nothing else waits: a

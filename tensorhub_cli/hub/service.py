@@ -96,10 +96,8 @@ class HubService:
         # deferred answers: (name, model, version) of an Unpublish, a Withdraw's withdraw_key,
         # or a first Plan parked in its swarm's muster (``mustering.key``)
         self.waiters: dict[tuple, list[tuple[bytes, int]]] = {}
-        # ops taken off the socket, not run yet (heartbeats never wait here), and the
-        # close of the musters due (``close_musters``)
-        self.backlog: deque[tuple[bytes, p.Request | None]] = deque()
-        self.closing = False  # a close is in the backlog
+        # ops taken off the socket, not run yet (heartbeats never wait here)
+        self.backlog: deque[tuple[bytes, p.Request]] = deque()
 
     def _reply(self, rid: int, body: p.Body) -> bytes:
         if type(body) is p.Resolved:
@@ -161,12 +159,8 @@ class HubService:
         n = 0
         while backlog and n < BATCH:
             ident, req = backlog.popleft()
-            if req is None:
-                self.closing = False
-                out = self.muster()
-            else:
-                with lock:
-                    out = self._apply(ident, req)
+            with lock:
+                out = self._apply(ident, req)
             send(out)
             n += 1
             if time.perf_counter() > deadline:
@@ -246,16 +240,6 @@ class HubService:
                         "endpoint's silence", deaf)
         self._ran = now
 
-    def close_musters(self) -> None:
-        """The musters due close once ``work`` has run every op taken off the socket so
-        far: a first plan that reached the hub before its muster's deadline joins it,
-        however long the backlog it waited in (at a thousand readers starting at once,
-        the hub takes a few hundred milliseconds to get through their resolves and
-        plans; answered sooner, a muster would hold only the first of them)."""
-        if not self.closing:
-            self.closing = True
-            self.backlog.append((b"", None))
-
     def muster(self) -> list[tuple[bytes, bytes]]:
         """Answer the plans of every muster due now (``Hub.muster``)."""
         with self.lock:
@@ -329,7 +313,7 @@ class HubService:
             """A timer for the next muster to close, if one opened (plans parked)."""
             nonlocal mustering
             due = self.hub.due()
-            if due is None or self.closing or (mustering is not None and mustering[0] <= due):
+            if due is None or (mustering is not None and mustering[0] <= due):
                 return
             if mustering is not None:
                 mustering[1].cancel()
@@ -338,9 +322,9 @@ class HubService:
         def muster() -> None:
             nonlocal mustering
             mustering = None
-            intake()  # (what reached the socket by now goes ahead of the close)
-            self.close_musters()
-            kick()
+            self._send(self.muster())
+            arm()
+            readable()
 
         def readable() -> None:
             intake()

@@ -10,8 +10,7 @@ still a real call). ``body`` is the hub's reply, or ``protocol.Error`` for a
 refusal (``HubFault``), exactly as the service would send it. The service's periodic
 ``expire`` and ``settle`` (the sweep) run on the same core every ``sweep_s``; a
 plan the hub parks in a muster (``hub.mustering``) is answered when the hub closes
-it: at its ``due()`` time the close joins the queue, behind the requests that arrived
-before it, as the service's timer queues it (``HubService.close_musters``).
+it, at its ``due()`` time, as the service's timer does.
 
 Liveness is never starved, as in the service: heartbeats and the sweep go ahead of the
 queued requests (served next, in their own order), where the service answers beats as
@@ -41,7 +40,7 @@ from ..hub.machine import Hub, HubFault
 from ..hub.mustering import key as muster_key
 from .events import Loop
 
-_MUSTER = "muster"  # (a queue entry: close the musters due, behind what arrived before it)
+_MUSTER = "muster"  # (a queue entry: close the musters due)
 _OPS = {
     p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
     p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
@@ -72,7 +71,7 @@ class HubServer:
     def call(self, op: p.Msg, reply: Callable[[p.Msg], None]) -> None:
         self.loop.after(self.rtt_s / 2, self._arrive, op, reply)
 
-    def _arrive(self, op: p.Msg | str, reply: Callable | None) -> None:
+    def _arrive(self, op: p.Msg, reply: Callable | None) -> None:
         if isinstance(op, p.Plan):  # a heartbeat too, as of its arrival (as ``HubService.take``)
             self.hub.heard(self.loop.now, op.name, op.incarnation)
         self._queue.append((op, reply))
@@ -135,7 +134,7 @@ class HubServer:
         due = self.hub.due()
         if due is not None and (self._muster_at is None or due < self._muster_at):
             self._muster_at = due
-            self.loop.at(max(due, now), self._arrive, _MUSTER, None)  # (behind what arrived before it)
+            self.loop.at(max(due, now), self._arrive_urgent, _MUSTER)
 
     def beats(self, ops: list[p.Heartbeat]) -> None:
         """Heartbeats of many endpoints sent at once: one queue entry, each beat still a

@@ -208,25 +208,3 @@ def test_a_tier_or_device_that_cannot_be_is_a_bad_argument(registered, kw, words
 
     with pytest.raises(BadArgument, match=words.replace("(", r"\(").replace(")", r"\)")):
         registered(**kw)
-
-
-def test_publishing_or_fetching_memory_of_another_tier_is_refused_before_anything_registers():
-    """A host-tier endpoint holding GPU tensors would be counted (and planned) as host
-    copies: refused, naming the argument and the fix. No CUDA here, so a Placed that
-    says it lies on cuda:0 stands for the tensors."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from tensorhub_cli.endpoint.replicas import Replicas
-    from tensorhub_cli.engines.serve import Regions
-    from tensorhub_cli.errors import BadArgument
-
-    host = Replicas("r", "host", registrations=None, served=Regions())  # (nothing registers: refused first)
-    with pytest.raises(BadArgument, match=r"into: its tensors are in cuda:0, but r joined with tier 'host'; "
-                                          r"connect with device='cuda:0'"):
-        host.check_tier(SimpleNamespace(device=0), "into")
-    host.check_tier(SimpleNamespace(device=-1), "into")  # host memory on a host tier: fine
-    device = Replicas("r", "device", registrations=None, served=Regions())
-    with pytest.raises(BadArgument, match="state_dict: its tensors are in host memory"):
-        device.check_tier(SimpleNamespace(device=-1), "state_dict")

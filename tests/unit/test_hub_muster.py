@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.faults import Answered
-from tensorhub_cli.hub.mustering import key
 
 from .hubkit import info, manifest, new_hub, reg
 
@@ -109,43 +108,3 @@ def test_with_chains_side_by_side_each_chain_gets_a_run_of_neighbours():
     got = _parents(_answers(hub))
     assert got["a2"] == {"a1"} and got["b2"] == {"b1"}, got  # no chain link crosses the racks
     assert got["a1"] == got["b1"] == {"t0", "t1"}, got
-
-
-def test_the_service_closes_a_muster_behind_the_plans_that_reached_it_before_the_deadline():
-    """A busy hub's backlog: plans taken off the socket before the muster's timer fired
-    join the muster though the hub runs them after the deadline; a plan taken after the
-    close was queued goes behind a chain's tail."""
-    from tensorhub_cli.bench.hubreplay import Clock
-    from tensorhub_cli.hub.service import HubService
-
-    clock = Clock()
-    hub = _hub([("a1", "ra"), ("a2", "ra"), ("b1", "rb"), ("b2", "rb")])
-    service = HubService(hub, "tok", "tcp://127.0.0.1:*", clock=clock, sweep_s=1.0)
-    sent: list[tuple[bytes, p.Body]] = []
-
-    def take(ident: bytes, op) -> None:
-        frame = p.encode(p.Request(v=p.PROTOCOL_VERSION, token="tok", rid=1, op=op))
-        assert service.take(ident, [frame]) == []
-
-    def work() -> None:
-        while service.backlog:
-            service.work(lambda out: sent.extend((to, p.decode_reply(f).body) for to, f in out), slice_s=0)
-
-    try:
-        take(b"b1", _plan("b1"))
-        work()  # parked: the muster opens, due at 0.05
-        assert not sent and abs(hub.due() - 0.05) < 1e-9
-        for name in ("a2", "a1"):  # taken before the deadline, still queued when it passes
-            take(name.encode(), _plan(name))
-        clock.now = 0.06
-        service.close_musters()
-        service.close_musters()  # (the timer again: one close is queued, not two)
-        take(b"b2", _plan("b2"))  # after the close was queued
-        work()
-        got = {to.decode(): {f.source for f in body.feeds} for to, body in sent}
-        assert [e.message for e in hub.events if e.kind == "muster"] == \
-            ["dc1: 3 reader(s) joined in order: a1 a2 b1"]
-        assert got == {"a1": {"t0"}, "a2": {"a1"}, "b1": {"a2"}, "b2": {"b1"}}, got
-        assert not service.closing and hub.due() is None
-    finally:
-        service.close()
