@@ -288,9 +288,8 @@ def _raw_stream(nbytes: int, site: Site, reader: str) -> dict:
 
 # "heads": "serial" says a chain head read one chunk at a time (``Planned.serial``),
 # "muster_s" how long the hub mustered a new swarm's first plans (``rig.hub`` starts it
-# with ``--muster-s MUSTER_S``): the
-# calibration models files without them with heads reading their whole window and
-# plans answered as they came.
+# with ``--muster-s MUSTER_S``): the calibration models files without them with heads
+# reading their whole window and plans answered as they came.
 
 
 def _protocol() -> str:
