@@ -16,6 +16,7 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..hub.mustering import MUSTER_S
 from ..spec.model import require_beats
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "specs" / "sim.yaml"
@@ -90,7 +91,7 @@ class HubParams(Strict):
     charge_cpu: bool = Field(True, description="the real hub's measured CPU keeps the simulated hub core busy")
     cpu_scale: float = Field(1.0, gt=0, description="hub CPU here x this = hub CPU on the target machine")
     request_overhead_s: float = Field(3e-05, ge=0, description="per request: decode, encode, socket")
-    muster_s: float = Field(0.05, ge=0, le=10, description="a new swarm's first plans within this long are laid "
+    muster_s: float = Field(MUSTER_S, ge=0, le=10, description="a new swarm's first plans within this long are laid "
                             "out together, by rack and node (``hub.mustering``; the hub's --muster-s)")
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
+from ..hub.mustering import MUSTER_S
 from ..names import MODEL_PATTERN
 
 # Names end up in file paths, ZeroMQ identities and metric labels: keep them plain.
@@ -39,7 +40,7 @@ class HubSpec(Strict):
         default=5.0, gt=0, le=600, description="silence after which an endpoint is expired"
     )
     muster_s: float = Field(
-        default=0.05, ge=0, le=10, description="a new swarm's first readers asking within this long are chained "
+        default=MUSTER_S, ge=0, le=10, description="a new swarm's first readers asking within this long are chained "
                                                "together by rack and node (0: each placed as it asks)"
     )
 
