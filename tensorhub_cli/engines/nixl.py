@@ -12,9 +12,11 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   InfiniBand device (there UCX's IB module makes a process that created a backend die
   with SIGSEGV at exit); ``UCX_NET_DEVICES`` from the node's spec; a user's own
   ``UCX_*`` variables always win.
-- No progress thread (``enable_prog_thread=False``): the wrapper's thread spins a full
-  core per agent even when idle. Our endpoint calls ``progress`` from its service
-  thread instead: every millisecond while peers are reading us, every 10 ms otherwise.
+- NIXL's UCX progress thread, event-driven (``nixl_progress``: the wrapper's default
+  makes it spin a full core; we give it a 10 ms poll timeout and it sleeps on the
+  worker's event descriptors), except on CUDA hosts or with
+  ``TH_NIXL_PROGRESS_THREAD=0``: there our endpoint calls ``progress`` from its service
+  thread, every millisecond while peers are reading us, every 10 ms otherwise.
 - The passive side must progress: without it a holder never answers the rendezvous
   and a READ stays pending forever, over shared memory and TCP alike.
 - Transports are left to UCX (between processes of one host it picks shared memory).
@@ -49,7 +51,8 @@ Completion. NIXL's Python API has no completion callback (``check_xfer_state`` a
 ``get_new_notifs`` are polls), so ``when_over`` is the base's: one watcher thread per
 engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms while reads
 are pending, asleep with no CPU while none is watched) checks every watched READ in one
-round under the lock; its checks also drive UCX progress for our READs. A transfer
+round under the lock; without NIXL's progress thread its checks also drive UCX
+progress for our READs. A transfer
 already released (given up, or by ``close``) is never checked again: it reads "failed".
 ``close`` stops the thread.
 
@@ -68,6 +71,7 @@ from typing import NamedTuple
 import msgspec
 
 from .base import Engine, EngineError, Pair, Region, State
+from . import nixl_progress
 from .nixl_shim import load_nixl
 
 _STATES = {"DONE": "done", "PROC": "pending"}
@@ -102,8 +106,9 @@ class NixlEngine(Engine):
         nixl = load_nixl() if device is None else load_nixl(device)
         self._lock = threading.Lock()
         self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
-        self._agent = nixl.nixl_agent(
-            f"{name}.{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        thread = nixl_progress.wanted(os.environ)
+        self.needs_progress = not thread  # (NIXL's own thread progresses UCX: nixl_progress)
+        self._agent = nixl_progress.make_agent(nixl, f"{name}.{os.getpid()}", thread)
 
     @staticmethod
     def _mem(regions: list[Region]) -> tuple[str, int, list[tuple[int, int, int, str]]]:

@@ -69,6 +69,7 @@ def make_engine(monkeypatch):
 
     fake = SimpleNamespace(nixl_agent=nixl_agent, nixl_agent_config=lambda **kw: None)
     monkeypatch.setattr(nixl_engine, "load_nixl", lambda *a, **kw: fake)
+    monkeypatch.setenv("TH_NIXL_PROGRESS_THREAD", "0")  # (a fake agent: no binding to give a thread delay)
 
     def make(name: str):
         return nixl_engine.NixlEngine(name), agents[name]

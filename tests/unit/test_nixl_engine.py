@@ -56,6 +56,7 @@ def engine(monkeypatch):
     agent = FakeAgent()
     fake = SimpleNamespace(nixl_agent=lambda name, config: agent, nixl_agent_config=lambda **kw: None)
     monkeypatch.setattr(nixl_engine, "load_nixl", lambda: fake)
+    monkeypatch.setenv("TH_NIXL_PROGRESS_THREAD", "0")  # (a fake agent: no binding to give a thread delay)
     eng = nixl_engine.NixlEngine("t")
     xfer = eng.read(nixl_engine.NixlPeer("holder", "DRAM", 0), [Pair(0x1000, 0x2000, 64)])
     return eng, agent, xfer

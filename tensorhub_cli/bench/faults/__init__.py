@@ -58,7 +58,8 @@ Faults (in this order):
   With ``--engine nixl`` it is skipped (``skipped`` says so): nothing throttles NIXL
   serving here, so no read can be made to outlive its timeout.
 - ``nixl_giveup`` (``data``): a NIXL read given up while its holder is stalled (its
-  progress held up ``NIXL_STALL_S``; reader's read timeout ``NIXL_TIMEOUT_S``); the
+  progress held up ``NIXL_STALL_S``: that holder runs without NIXL's progress thread,
+  ``engines.nixl_progress``; reader's read timeout ``NIXL_TIMEOUT_S``); the
   holder unpublishes and overwrites its tensors, then resumes. A given-up GET is not
   stopped by releasing it (NIXL issue #1958): the engine disconnects the holder and
   counts the read over only once NIXL reports it final, its chunk fenced and its
@@ -120,8 +121,8 @@ def run(mib: float = 64, engine: str = "tcp", timeout: float = 120, window: int 
         def spawn(name: str, env: dict | None = None, *more: str) -> Driven:
             return Driven(name, ["-m", "tensorhub_cli.bench.faults", "--name", name, *args, *more], env=env)
 
-        def spawn_nixl(name: str, *more: str) -> Driven:  # (the later --engine wins)
-            return spawn(name, None, "--engine", "nixl", *more)
+        def spawn_nixl(name: str, *more: str, env: dict | None = None) -> Driven:  # (the later --engine wins)
+            return spawn(name, env, "--engine", "nixl", *more)
 
         procs: dict[str, Driven] = {}
         try:
@@ -130,7 +131,10 @@ def run(mib: float = 64, engine: str = "tcp", timeout: float = 120, window: int 
                 procs[name] = spawn(name, env)
             procs["readerZ"] = spawn("readerZ", None, "--read-timeout-s", str(ZOMBIE_TIMEOUT_S))
             if "nixl_giveup" in faults:
-                procs["stallG"], procs["holderG"] = spawn_nixl("stallG"), spawn_nixl("holderG")
+                # (the stalled holder progresses UCX from its service thread, so holding its
+                # engine's lock stalls it; NIXL's own progress thread would serve on)
+                procs["stallG"] = spawn_nixl("stallG", env={"TH_NIXL_PROGRESS_THREAD": "0"})
+                procs["holderG"] = spawn_nixl("holderG")
                 procs["readerG"] = spawn_nixl("readerG", "--read-timeout-s", str(NIXL_TIMEOUT_S))
             engines = {d.hello["engine"] for d in procs.values()}  # all start in parallel; wait for each
             survivor = procs["pubA"]

@@ -1,0 +1,87 @@
+"""Who drives UCX progress for a NIXL agent: NIXL's own progress thread, woken by the
+network, or our endpoint's service thread, on a timer.
+
+Why it matters. A one-sided READ over TCP or shared memory is emulated: the holder's
+UCX worker must be progressed to send the bytes. Progress on a timer costs CPU for as
+long as readers are at us, whatever they read (the service thread's 1 ms loop spent
+0.35–0.45 CPU-s serving 256 MiB over a 500 Mbit/s link; docs/design.md, "Measurements
+behind the defaults"). NIXL's UCX progress thread instead arms the worker and sleeps in
+``poll`` on its event descriptors, so it wakes when bytes can move: 0.10 CPU-s for the
+same read, and 0.1 % of a core idle. Its poll timeout (``pthrDelay``, µs, rounded up to
+whole ms) is only a safety net for a wake-up UCX misses; NIXL's Python wrapper pins it
+at 0, which makes the thread spin a full core, so ``make_agent`` sets it itself.
+
+Protocol. ``wanted(environ)`` says whether this process should run the thread;
+``make_agent(nixl, name, thread)`` builds the agent accordingly. With the thread, the
+engine does not need ``progress`` calls (``NixlEngine.needs_progress`` False); without
+it, the service thread calls ``progress`` as before.
+
+When not. ``TH_NIXL_PROGRESS_THREAD=1`` or ``0`` decides outright. Otherwise the thread
+runs only on hosts without an NVIDIA device (``/dev/nvidia<N>``): on CUDA hosts the
+thread arms UCX's ``cuda_copy`` transport from a thread with no CUDA context, which
+NIXL issue #2102 reports crashing with SIGSEGV; there RDMA reads need no progress from
+the holder anyway, and the service thread keeps the TCP and shared-memory fallbacks
+moving.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Mapping, Optional
+
+ENV = "TH_NIXL_PROGRESS_THREAD"
+DELAY_US = 10_000  # the thread's poll timeout: a missed wake-up costs at most this
+DEV = Path("/dev")
+_NVIDIA = re.compile(r"nvidia\d+$")
+_build = threading.Lock()  # (one agent built at a time: the wrapper's module is patched meanwhile)
+
+
+def cuda_host(dev: Optional[Path] = None) -> bool:
+    """Whether the host has an NVIDIA GPU device node (``/dev/nvidia0`` …)."""
+    try:
+        return any(_NVIDIA.match(p.name) for p in Path(dev or DEV).iterdir())
+    except OSError:
+        return False
+
+
+def wanted(environ: Mapping[str, str], dev: Optional[Path] = None) -> bool:
+    """Run NIXL's progress thread in this process? (See the module's docstring.)"""
+    value = environ.get(ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"{ENV}: want 0 or 1, got {value!r}")
+    return not cuda_host(dev)
+
+
+class _Delayed:
+    """NIXL's binding module as its wrapper sees it while building one agent: the same
+    module, except that the agent's config gets our progress-thread delay."""
+
+    def __init__(self, bind: ModuleType, delay_us: int):
+        self._bind, self._delay_us = bind, delay_us
+
+    def __getattr__(self, name: str):
+        return getattr(self._bind, name)
+
+    def nixlAgent(self, name, config):  # noqa: N802 (the binding's name)
+        config.pthrDelay = self._delay_us
+        return self._bind.nixlAgent(name, config)
+
+
+def make_agent(nixl: ModuleType, name: str, thread: bool, delay_us: int = DELAY_US):
+    """A UCX ``nixl_agent``, with NIXL's progress thread (polling at most every
+    ``delay_us``) or without one. Once it returns, the agent is ready for use."""
+    config = nixl.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
+    if not thread:
+        return nixl.nixl_agent(name, config)
+    with _build:
+        bind = nixl.nixlBind
+        nixl.nixlBind = _Delayed(bind, delay_us)
+        try:
+            return nixl.nixl_agent(name, config)
+        finally:
+            nixl.nixlBind = bind
