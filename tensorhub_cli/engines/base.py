@@ -136,6 +136,9 @@ class Engine(ABC):
 
     kind: str
     needs_progress: bool = False  # True: reads of our memory stall unless ``progress`` runs
+    # The watcher's back-off ceiling (``engines.watcher``): how late it may notice a
+    # transfer's end. An engine whose checks only notice (they move no bytes) may raise it.
+    watch_ceiling_s: float = 1e-3
 
     @abstractmethod
     def register(self, regions: list[Region]) -> object:
@@ -201,7 +204,8 @@ class Engine(ABC):
         with _WATCHER:
             watcher = self.__dict__.get("_watch")
             if watcher is None:
-                watcher = self.__dict__["_watch"] = Watcher(self.states_of, name=f"th-watch-{self.kind}")
+                watcher = self.__dict__["_watch"] = Watcher(self.states_of, name=f"th-watch-{self.kind}",
+                                                            max_s=self.watch_ceiling_s)
         return watcher
 
     def _stop_watching(self, timeout: float = 5.0) -> None:

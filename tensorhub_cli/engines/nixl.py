@@ -49,7 +49,8 @@ its owner freed it).
 
 Completion. NIXL's Python API has no completion callback (``check_xfer_state`` and
 ``get_new_notifs`` are polls), so ``when_over`` is the base's: one watcher thread per
-engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms while reads
+engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms, or 4 ms where
+NIXL's progress thread moves the bytes, while reads
 are pending, asleep with no CPU while none is watched) checks every watched READ in one
 round under the lock; without NIXL's progress thread its checks also drive UCX
 progress for our READs. A transfer
@@ -108,6 +109,8 @@ class NixlEngine(Engine):
         self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
         thread = nixl_progress.wanted(os.environ)
         self.needs_progress = not thread  # (NIXL's own thread progresses UCX: nixl_progress)
+        if thread:  # (the watcher's checks only notice an end then: they need not come every ms)
+            self.watch_ceiling_s = nixl_progress.WATCH_CEILING_S
         self._agent = nixl_progress.make_agent(nixl, f"{name}.{os.getpid()}", thread)
 
     @staticmethod

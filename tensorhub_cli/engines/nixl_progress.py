@@ -34,6 +34,7 @@ from typing import Mapping, Optional
 
 ENV = "TH_NIXL_PROGRESS_THREAD"
 DELAY_US = 10_000  # the thread's poll timeout: a missed wake-up costs at most this
+WATCH_CEILING_S = 4e-3  # the watcher's back-off ceiling with the thread (engines.watcher)
 DEV = Path("/dev")
 _NVIDIA = re.compile(r"nvidia\d+$")
 _build = threading.Lock()  # (one agent built at a time: the wrapper's module is patched meanwhile)

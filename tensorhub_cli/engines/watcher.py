@@ -12,8 +12,10 @@ their callbacks; those still pending never do, and are counted in ``dropped``);
 This is the one place a poll remains on the reader's data path, and why: NIXL's Python
 API has no completion callback (``nixl_agent`` offers ``check_xfer_state`` and
 ``get_new_notifs``, both polls), and UCX only moves a request forward while someone
-drives its worker's progress, which ``check_xfer_state`` does. So the thread checks the
-watched transfers, backing off from ``FIRST_S`` (20 µs) doubling to ``MAX_S`` (1 ms)
+drives its worker's progress, which ``check_xfer_state`` does (unless NIXL's progress
+thread runs: ``engines.nixl_progress``). So the thread checks the
+watched transfers, backing off from ``FIRST_S`` (20 µs) doubling to ``MAX_S`` (1 ms; an
+engine's ``watch_ceiling_s``)
 while they stay pending (back to ``FIRST_S`` whenever one ends or a new one is watched),
 and sleeps on its condition, with no timeout and no CPU, while nothing is watched.
 ``idle`` says it is asleep there and ``rounds`` counts its checks (tests read both).

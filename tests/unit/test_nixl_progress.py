@@ -60,7 +60,7 @@ CHILD = textwrap.dedent("""
     time.sleep(1.0)
     idle = (time.process_time() - cpu0) / (time.monotonic() - t0)
     print(json.dumps({"unaided": unaided, "equal": ok, "idle_cores": idle,
-                      "needs_progress": holder.needs_progress}))
+                      "needs_progress": holder.needs_progress, "ceiling": reader._watcher()._max_s}))
     holder.close(); reader.close()
 """)
 
@@ -79,6 +79,7 @@ def test_with_the_thread_a_holder_serves_reads_unaided_and_sleeps_while_idle():
     got = _child("1")
     assert got["unaided"] == "done" and got["equal"], got
     assert got["needs_progress"] is False
+    assert got["ceiling"] == nixl_progress.WATCH_CEILING_S  # (its checks only notice ends: fewer of them)
     # The wrapper's own default (a 0 poll timeout) spins a full core here.
     assert got["idle_cores"] < 0.2, f"the idle progress thread spins: {got['idle_cores']:.2f} of a core"
 
@@ -89,3 +90,4 @@ def test_without_the_thread_the_holder_needs_the_service_threads_progress():
     got = _child("0")
     assert got["unaided"] == "pending" and got["equal"], got
     assert got["needs_progress"] is True
+    assert got["ceiling"] == 1e-3  # (its checks drive our READs' progress too)
