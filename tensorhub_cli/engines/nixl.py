@@ -71,8 +71,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from .base import Engine, EngineError, Pair, Region, State
 from . import nixl_progress
+from .base import Engine, EngineError, Pair, Region, State
 from .nixl_shim import load_nixl
 
 _STATES = {"DONE": "done", "PROC": "pending"}
@@ -107,11 +107,11 @@ class NixlEngine(Engine):
         nixl = load_nixl() if device is None else load_nixl(device)
         self._lock = threading.Lock()
         self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
-        thread = nixl_progress.wanted(os.environ)
+        self._agent, thread = nixl_progress.make_agent(nixl, f"{name}.{os.getpid()}",
+                                                       nixl_progress.wanted(os.environ))
         self.needs_progress = not thread  # (NIXL's own thread progresses UCX: nixl_progress)
         if thread:  # (the watcher's checks only notice an end then: they need not come every ms)
             self.watch_ceiling_s = nixl_progress.WATCH_CEILING_S
-        self._agent = nixl_progress.make_agent(nixl, f"{name}.{os.getpid()}", thread)
 
     @staticmethod
     def _mem(regions: list[Region]) -> tuple[str, int, list[tuple[int, int, int, str]]]:

@@ -7,14 +7,15 @@ long as readers are at us, whatever they read (the service thread's 1 ms loop sp
 0.35–0.45 CPU-s serving 256 MiB over a 500 Mbit/s link; docs/design.md, "Measurements
 behind the defaults"). NIXL's UCX progress thread instead arms the worker and sleeps in
 ``poll`` on its event descriptors, so it wakes when bytes can move: 0.10 CPU-s for the
-same read, and 0.1 % of a core idle. Its poll timeout (``pthrDelay``, µs, rounded up to
+same read, and 0.5 % of a core idle. Its poll timeout (``pthrDelay``, µs, rounded up to
 whole ms) is only a safety net for a wake-up UCX misses; NIXL's Python wrapper pins it
 at 0, which makes the thread spin a full core, so ``make_agent`` sets it itself.
 
 Protocol. ``wanted(environ)`` says whether this process should run the thread;
-``make_agent(nixl, name, thread)`` builds the agent accordingly. With the thread, the
-engine does not need ``progress`` calls (``NixlEngine.needs_progress`` False); without
-it, the service thread calls ``progress`` as before.
+``make_agent(nixl, name, thread)`` builds the agent accordingly and says whether the
+thread runs. With it, the engine does not need ``progress`` calls
+(``NixlEngine.needs_progress`` False); without it, the service thread calls
+``progress`` as before.
 
 When not. ``TH_NIXL_PROGRESS_THREAD=1`` or ``0`` decides outright. Otherwise the thread
 runs only on hosts without an NVIDIA device (``/dev/nvidia<N>``): on CUDA hosts the
@@ -26,6 +27,7 @@ moving.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from pathlib import Path
@@ -37,6 +39,7 @@ DELAY_US = 10_000  # the thread's poll timeout: a missed wake-up costs at most t
 WATCH_CEILING_S = 4e-3  # the watcher's back-off ceiling with the thread (engines.watcher)
 DEV = Path("/dev")
 _NVIDIA = re.compile(r"nvidia\d+$")
+log = logging.getLogger("tensorhub.nixl")
 _build = threading.Lock()  # (one agent built at a time: the wrapper's module is patched meanwhile)
 
 
@@ -73,16 +76,32 @@ class _Delayed:
         return self._bind.nixlAgent(name, config)
 
 
-def make_agent(nixl: ModuleType, name: str, thread: bool, delay_us: int = DELAY_US):
-    """A UCX ``nixl_agent``, with NIXL's progress thread (polling at most every
-    ``delay_us``) or without one. Once it returns, the agent is ready for use."""
+def settable(nixl: ModuleType) -> bool:
+    """Whether this NIXL wrapper builds its agents through a binding whose config has
+    the thread's delay (``pthrDelay``), which ``make_agent`` can then set."""
+    bind = getattr(nixl, "nixlBind", None)
+    try:
+        return bind is not None and hasattr(bind.nixlAgentConfig(), "pthrDelay")
+    except Exception:
+        return False
+
+
+def make_agent(nixl: ModuleType, name: str, thread: bool, delay_us: int = DELAY_US) -> tuple[object, bool]:
+    """(a UCX ``nixl_agent``, whether NIXL's progress thread runs in it). The thread
+    (polling at most every ``delay_us``) only where asked and the wrapper lets us set
+    its delay: another wrapper would spin it a full core, so it gets none (logged), and
+    the caller progresses the agent itself. Once it returns, the agent is ready for use."""
+    if thread and not settable(nixl):
+        log.warning("this NIXL wrapper (%s) offers no progress-thread delay; progressing UCX from the "
+                    "endpoint's service thread instead", getattr(nixl, "__name__", nixl))
+        thread = False
     config = nixl.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
     if not thread:
-        return nixl.nixl_agent(name, config)
+        return nixl.nixl_agent(name, config), False
     with _build:
         bind = nixl.nixlBind
         nixl.nixlBind = _Delayed(bind, delay_us)
         try:
-            return nixl.nixl_agent(name, config)
+            return nixl.nixl_agent(name, config), True
         finally:
             nixl.nixlBind = bind

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +31,16 @@ def test_by_default_the_thread_runs_only_where_the_host_has_no_nvidia_gpu(tmp_pa
     (tmp_path / "nvidia3").touch()
     assert nixl_progress.wanted({}, tmp_path) is False
     assert nixl_progress.wanted({}, tmp_path / "absent") is True
+
+
+def test_a_wrapper_whose_thread_delay_cannot_be_set_gets_no_thread_rather_than_a_spinning_one(caplog):
+    """(Another wrapper's thread would run with its own delay, 0 in NIXL's: a core each.)"""
+    configs = []
+    fake = SimpleNamespace(__name__="fake._api", nixl_agent=lambda name, config: ("agent", name, config),
+                           nixl_agent_config=lambda **kw: configs.append(kw) or kw)
+    agent, thread = nixl_progress.make_agent(fake, "a", True)
+    assert thread is False and agent[0] == "agent" and configs == [{"enable_prog_thread": False, "backends": ["UCX"]}]
+    assert "offers no progress-thread delay" in caplog.text
 
 
 CHILD = textwrap.dedent("""
