@@ -26,14 +26,14 @@ def th(*args, timeout=90):
     return proc
 
 
-@pytest.fixture
-def cluster(th_home, local_spec, tmp_path):
-    name = yaml.safe_load(local_spec.read_text())["name"]
-    th("up", str(local_spec))
+def _cluster(spec, tmp_path):
+    name = yaml.safe_load(spec.read_text())["name"]
+    th("up", str(spec))
     runners: list[Runner] = []
 
-    def start(name_, module, node, *args) -> Runner:
-        r = Runner(name_, module, ["--cluster", name, "--node", node, *args], tmp_path)
+    def start(name_, module, node, *args, env: dict | None = None) -> Runner:
+        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else None
+        r = Runner(name_, module, ["--cluster", name, "--node", node, *args], tmp_path, prefix=prefix)
         runners.append(r)
         return r
 
@@ -41,6 +41,20 @@ def cluster(th_home, local_spec, tmp_path):
     for r in reversed(runners):
         r.stop()
     subprocess.run([sys.executable, "-m", "tensorhub_cli", "down", "-c", name], capture_output=True, timeout=90)
+
+
+@pytest.fixture
+def cluster(th_home, local_spec, tmp_path):
+    yield from _cluster(local_spec, tmp_path)
+
+
+@pytest.fixture
+def tcp_cluster(th_home, local_spec, tmp_path):
+    """The local cluster on the tcp engine, whose serving a test can throttle
+    (``TH_TEST_SERVE_BPS``, ``engines.serve``)."""
+    doc = yaml.safe_load(local_spec.read_text())
+    local_spec.write_text(yaml.safe_dump({**doc, "engine": "tcp"}, sort_keys=False))
+    yield from _cluster(local_spec, tmp_path)
 
 
 def finished(r: Runner, timeout: float = 180) -> dict:
@@ -86,21 +100,26 @@ def test_a_rollout_stops_on_weights_whose_probe_is_not_the_trainers(cluster):
         assert not r.of("loaded")
 
 
-def test_in_place_publish_never_lets_a_rollout_read_a_half_updated_parameter(cluster):
+def test_in_place_publish_never_lets_a_rollout_read_a_half_updated_parameter(tcp_cluster):
     """The optimizer step is spread over 0.8 s (one parameter at a time) while rollouts
     keep fetching. Unpublish-drain before the step means no read ever sees a mix: no
     chunk fails its checksum, every loaded version passes the probe. The run must
     actually overlap fetches with steps, or it proves nothing."""
-    _, start = cluster
-    # One read in flight over 1 MiB chunks of a 69 MB model: a fetch outlasts the gap
-    # between a publish and the next step, so reads of the trainer meet its steps.
+    _, start = tcp_cluster
+    # One read in flight over 1 MiB chunks of a 69 MB model, the trainer serving each
+    # read at 40 MB/s: a fetch (about 2 s) outlasts the gap between a publish and the
+    # next step (a forward and backward, well under a second), so reads of the trainer
+    # always meet its next unpublish and step (6 of 8 attempts overlapped a step, in
+    # each of two runs). Unthrottled, a fetch took 0.15-0.5 s and fell between two
+    # steps in two of three full-suite runs.
     model = ["--hidden", "512", "--layers", "4", "--vocab", "512"]
     rollouts = [start(f"rollout-{i}", "runners.rollout", node, *model, "--until-version", "4", "--rollout-s", "0",
                       "--window", "1", "--fetch-timeout-s", "30") for i, node in enumerate(("node2", "node3"))]
     for r in rollouts:
         r.wait_for("started", 120)
     trainer = start("trainer", "runners.trainer", "node1", *model, "--steps", "4", "--publish-mode", "in-place",
-                    "--slow-step-s", "0.8", "--step-s", "0", "--linger-s", "60", "--chunk-mb", "1")
+                    "--slow-step-s", "0.8", "--step-s", "0", "--linger-s", "60", "--chunk-mb", "1",
+                    env={"TH_TEST_SERVE_BPS": str(40_000_000)})
     for r in rollouts:
         finished(r, 150)
     steps = [(e["step_began"], e["step_ended"]) for e in trainer.of("published")]
