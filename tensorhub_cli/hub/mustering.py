@@ -30,16 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import protocol as p
+from .defaults import MUSTER_S  # noqa: F401 (the default ``muster_s``, named here too)
 from .faults import Answered, HubFault
 from .registry import Version
 from .scheduling import heads, publishers_of
 from .state import HubState
-
-
-# The hub process's default (``--muster-s``): readers that start together ask within
-# tens of milliseconds of each other (the testbed's seven did); the first waits this
-# long for its answer.
-MUSTER_S = 0.05
 
 
 @dataclass

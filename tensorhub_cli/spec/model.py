@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
-from ..hub.mustering import MUSTER_S
+from ..hub.defaults import MUSTER_S
 from ..names import MODEL_PATTERN
 
 # Names end up in file paths, ZeroMQ identities and metric labels: keep them plain.
