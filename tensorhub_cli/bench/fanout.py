@@ -206,7 +206,7 @@ def run(readers: list[int], mib: float = 128, chunk_mib: float = 8, window: int 
     most = max(readers)
     return {"workload": "fanout", "bytes": _nbytes(mib), "chunk_bytes": int(chunk_mib * 2**20),
             "window": window, "engine": engine, "warmup": warmup, "protocol": _protocol(), "heads": "serial",
-            "muster_s": MUSTER_S,
+            "muster_s": MUSTER_S, "fragments": _fragments(),
             "rows": rows,
             "target": {"max_readers_vs_one": 2.0},
             "target_met": ours[most] / one <= 2.0}
@@ -254,7 +254,8 @@ def run_testbed(readers: list[int], mib: float = 128, chunk_mib: float = 4, wind
     return {"workload": "fanout", "testbed": {"nodes": nodes, "racks": min(RACKS, nodes),
                                               "rates_mbit": state["rates_mbit"], "check": state["check"]},
             "bytes": nbytes, "chunk_bytes": int(chunk_mib * 2**20), "window": window, "engine": engine,
-            "warmup": warmup, "protocol": _protocol(), "heads": "serial", "muster_s": MUSTER_S, "raw_socket": raw,
+            "warmup": warmup, "protocol": _protocol(), "heads": "serial", "muster_s": MUSTER_S,
+            "fragments": _fragments(), "raw_socket": raw,
             "rows": rows,
             "target": target,
             "target_met": all(met.values()), "targets": met}
@@ -288,8 +289,16 @@ def _raw_stream(nbytes: int, site: Site, reader: str) -> dict:
 
 # "heads": "serial" says a chain head read one chunk at a time (``Planned.serial``),
 # "muster_s" how long the hub mustered a new swarm's first plans (``rig.hub`` starts it
-# with ``--muster-s MUSTER_S``): the calibration models files without them with heads
-# reading their whole window and plans answered as they came.
+# with ``--muster-s MUSTER_S``), "fragments" the reads per relayed chunk
+# (``endpoint.scheduled.fragments``): the calibration models files without them with heads
+# reading their whole window, plans answered as they came and whole chunks relayed.
+
+
+def _fragments() -> int:
+    """Reads per relayed chunk the readers used (their ``TH_RELAY_FRAGMENTS``, inherited)."""
+    from ..endpoint.scheduled import fragments  # (the endpoint's imports, only when a file is written)
+
+    return fragments() if _protocol() == "schedule" else 1
 
 
 def _protocol() -> str:

@@ -4,9 +4,9 @@ replicas, ``ReadBytes`` / ``ReadRanges`` (many ranges, one answer) from the memo
 serves (``engines.serve``, whatever the endpoint's engine), ``ReadDelta`` from two
 replicas (``deltas.answer``, on the loop's executor), and ``Await`` from the
 replica ``replica((model, version))`` finds: it awaits ``Replica.await_held`` (woken by
-``Replica.mark_held``, never polled) for at most the ask's ``timeout_s``, capped at
-``await_cap_s`` (default ``AWAIT_CAP_S``, 30 s, well inside ``idle_s``); a server
-built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
+``Replica.mark_held``, or ``mark_landed`` for an ask with ``after``; never polled) for
+at most the ask's ``timeout_s``, capped at ``await_cap_s`` (default ``AWAIT_CAP_S``, 30
+s, well inside ``idle_s``); a server built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
 closed after an ask refused for its frame or token (too large, malformed, auth; an
 answer that refuses what was asked, ``not_found`` or ``bad_request``, leaves it open);
 an idle connection is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp
@@ -106,16 +106,21 @@ class PeerServer:
         if not (math.isfinite(ask.timeout_s) and ask.timeout_s >= 0):
             return wire.Refused(code="bad_request", message=f"await of {what}: timeout_s must be a finite "
                                 f"number >= 0, not {ask.timeout_s}")
-        fut = held.await_held(mask, asyncio.get_running_loop())
+        if ask.after is not None and any(not mask >> c & 1 or n < 0 for c, n in ask.after.items()):
+            return wire.Refused(code="bad_request", message=f"await of {what}: after names a chunk not in "
+                                f"chunks, or bytes below 0")
+        fut = held.await_held(mask, asyncio.get_running_loop(), ask.after)
         try:
-            have = await asyncio.wait_for(fut, min(ask.timeout_s, self._await_cap_s))
+            got = await asyncio.wait_for(fut, min(ask.timeout_s, self._await_cap_s))
         except asyncio.TimeoutError:
-            have = 0
+            got = 0 if ask.after is None else (0, {})
         finally:
             held.forget(fut)
-        if have is None:
+        if got is None:
             return wire.Refused(code="not_found", message=f"the replica of {what} was dropped")
-        return wire.Have(chunks=wire.mask_bytes(have))
+        if ask.after is None:
+            return wire.Have(chunks=wire.mask_bytes(got))
+        return wire.Have(chunks=wire.mask_bytes(got[0]), landed=got[1])
 
     async def _delta(self, writer: asyncio.StreamWriter, ask: wire.ReadDelta) -> None:
         if self._replica is None:

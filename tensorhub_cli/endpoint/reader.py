@@ -15,7 +15,15 @@ A chunk is in exactly one state:
 - ``WAITING``: its source will hold it but does not yet: an ``Await`` on that source
   (one at a time per source, covering all its chunks we wait for) ends in ``Noticed``;
 - ``READY``: its source holds it; ``Start`` once the window has room;
-- ``READING``: its transfer runs; ``Landed`` ends it (ok or not);
+- ``READING``: its transfer runs; ``Landed`` ends it (ok or not). A chunk a child may
+  be waiting for (we head a chain, or read it from a relay) is read in ``fragments``
+  reads, one after another, from its first byte: each fragment that lands is told to our
+  children (``Relay``: the bytes landed so far, unverified) so they read it while we
+  read the next, and a relay's fragments are read as it tells us of them (``Noticed``'s
+  ``landed``). Between fragments the chunk stays ``READING`` (``stalled`` when its
+  source has not landed the next fragment yet); every hop of a chain then lags a fragment,
+  not a chunk. Only the whole chunk is verified, as before: a bad fragment fails it here
+  and in every child that read it (contract 5 holds per chunk);
 - ``VERIFYING``: landed, its checksum runs (``Verify`` → ``Checked``);
 - ``HELD``: verified (contract 5): ours, and served to others; ``PASSED`` the same
   for a chunk read in part (another layout);
@@ -58,6 +66,7 @@ class Refused:
 class Noticed:
     source: str
     chunks: int  # those of the awaited chunks the source holds now (0: the wait timed out)
+    landed: dict = field(default_factory=dict)  # chunk -> bytes of it landed at the source (unverified)
 
 
 @dataclass(slots=True)
@@ -95,6 +104,9 @@ class Ask:
 class Await:
     source: str
     chunks: int
+    # Fragments: also end the wait once one of these chunks has more bytes landed at the
+    # source than given here (None: only a chunk held ends it).
+    after: dict | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +114,16 @@ class Start:
     chunk: int
     source: str
     tiled: bool = False  # read the source's tiles as they lie (``Read.tiled``)
+    at: int = 0  # a fragment: bytes [at, at + nbytes) of the chunk (nbytes 0: the whole chunk)
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class Relay:
+    """Tell whoever waits on us that ``nbytes`` of ``chunk`` from its first byte are in
+    our memory, unverified (0: none any more: its read failed and starts over)."""
+    chunk: int
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -145,6 +167,9 @@ class Reader:
     # our chunks when scheduled (publishers, complete replicas) take the whole window.
     per_source: int = 1
     report_every: int = 0  # verified chunks per progress report (0: ``batch``)
+    fragments: int = 1  # reads per chunk a child may wait for (1: whole chunks only)
+    size: object = None  # chunk -> its bytes (needed with fragments > 1)
+    whole: set[int] = field(default_factory=set)  # chunks the driver reads whole (a delta's)
     read_timeout: float = 30.0  # one transfer
     wait_timeout: float = 120.0  # one chunk waiting on its source's notice
     state: dict[int, str] = field(default_factory=dict)
@@ -167,6 +192,14 @@ class Reader:
     # holder of a chunk lost): the one paced ask, backing off while answers add nothing.
     idle_s: float = 0.0
     ask_at: float = 0.0
+    # Fragments (``READING`` chunks read in fragments): bytes landed here; a fragment in flight;
+    # waiting on the source's next fragment; bytes the source has landed (READY/READING,
+    # absent: all of it); chunks whose landed bytes we told (until held).
+    got: dict[int, int] = field(default_factory=dict)
+    fragment: dict[int, int] = field(default_factory=dict)  # chunk -> the end of its fragment in flight
+    stalled: set[int] = field(default_factory=set)
+    avail: dict[int, int] = field(default_factory=dict)
+    relayed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.report_every = self.report_every or batch(self.wanted.bit_count())
@@ -214,34 +247,75 @@ class Reader:
         elif isinstance(ev, Noticed):
             self.awaiting.discard(ev.source)
             for c in bits(ev.chunks):
-                if self.state.get(c) == WAITING and self.source[c] == ev.source:
-                    self._set(c, READY, now)
+                if self.source.get(c) == ev.source and self.state[c] in (WAITING, READY, READING):
+                    self.avail.pop(c, None)
+                    self._landing(c, now, out)
+            for c, n in ev.landed.items():
+                st = self.state.get(c)
+                if self.source.get(c) != ev.source or n <= 0:
+                    continue
+                # (READY or READING without ``avail``: the source holds it all already)
+                if st == WAITING or st in (READY, READING) and c in self.avail and n > self.avail[c]:
+                    self.avail[c] = n
+                    self._landing(c, now, out)
         elif isinstance(ev, AwaitFailed):
             self.awaiting.discard(ev.source)
-            for c in [c for c in self.by[WAITING] if self.source[c] == ev.source]:
-                self._fail(c, now)
+            for c in [c for c in (*self.by[WAITING], *self.stalled) if self.source[c] == ev.source]:
+                self._fail(c, now, out)
         elif isinstance(ev, Landed):
-            if self.state.get(ev.chunk) != READING:
+            c = ev.chunk
+            if self.state.get(c) != READING or c in self.stalled:
                 return
-            if ev.ok:
-                self._set(ev.chunk, VERIFYING, now)
-                out.append(Verify(ev.chunk, self.source[ev.chunk]))
+            if not ev.ok:
+                self._fail(c, now, out)
+            elif c in self.fragment:
+                self.got[c] = self.fragment.pop(c)
+                self.relayed.add(c)
+                out.append(Relay(c, self.got[c]))
+                if self.got[c] >= self.size(c):
+                    self._set(c, VERIFYING, now)
+                    out.append(Verify(c, self.source[c]))
+                else:
+                    self._next_fragment(c, now, out)
             else:
-                self._fail(ev.chunk, now)
+                self._set(c, VERIFYING, now)
+                out.append(Verify(c, self.source[c]))
         elif isinstance(ev, Checked):
             if self.state.get(ev.chunk) != VERIFYING:
                 return
             if not ev.ok:
-                self._fail(ev.chunk, now)
+                self._fail(ev.chunk, now, out)
             elif ev.tiled:
                 self._set(ev.chunk, PASSED, now)
                 self.passed.append(ev.chunk)
             else:
                 self._set(ev.chunk, HELD, now)
+                self.relayed.discard(ev.chunk)  # (held supersedes the bytes told)
                 self.done.append(ev.chunk)
         elif isinstance(ev, Stopped):
             if self.state.get(ev.chunk) == STOPPING:
-                self._fail(ev.chunk, now)
+                self._fail(ev.chunk, now, out)
+
+    def _landing(self, c: int, now: float, out: list) -> None:
+        """The source has more of ``c`` (``avail``: how much; absent: all of it)."""
+        if self.state[c] == WAITING:
+            self._set(c, READY, now)
+        elif c in self.stalled:
+            self.stalled.discard(c)
+            self._next_fragment(c, now, out)
+
+    def _next_fragment(self, c: int, now: float, out: list) -> None:
+        """``c`` is read in fragments and has none in flight: start the next, or wait for
+        the source to land it."""
+        at, size = self.got.get(c, 0), self.size(c)
+        step = -(-size // self.fragments)  # (fragments end on multiples of it, however much the source had)
+        end = min(size, (at // step + 1) * step, self.avail.get(c, size))
+        self.since[c] = now
+        if end <= at:
+            self.stalled.add(c)
+            return
+        self.fragment[c] = end
+        out.append(Start(c, self.source[c], False, at, end - at))
 
     def _answer(self, now: float, reads, out: list) -> None:
         listed = set()
@@ -253,8 +327,10 @@ class Reader:
                 continue  # (a failure not reported yet: the answer to that report counts)
             if st == READING:
                 if self.source[chunk] != source:  # the hub moved it: its source is gone
-                    self._set(chunk, STOPPING, now)
-                    out.append(Stop(chunk))
+                    self._give_up(chunk, now, out)
+                elif ready and chunk in self.avail:  # the source holds all of it by now
+                    del self.avail[chunk]
+                    self._landing(chunk, now, out)
                 continue
             if not ready:
                 self.relays.add(source)
@@ -265,6 +341,8 @@ class Reader:
                 self._set(chunk, READY if ready else WAITING, now)
             elif ready and st == WAITING:
                 self._set(chunk, READY, now)
+            if ready:
+                self.avail.pop(chunk, None)
             # (READY stays READY when the hub says "not yet": the source's notice is
             # newer than the hub's view, which hears of chunks in batches)
         for chunk in [c for c in (*self.by[WAITING], *self.by[READY]) if c not in listed]:
@@ -272,11 +350,25 @@ class Reader:
 
     # --- what to do next ----------------------------------------------------------------
     def _timeouts(self, now: float, out: list) -> None:
-        for c in [c for c in self.by[READING] if now - self.since[c] > self.read_timeout]:
-            self._set(c, STOPPING, now)
-            out.append(Stop(c))
-        for c in [c for c in self.by[WAITING] if now - self.since[c] > self.wait_timeout]:
-            self._fail(c, now)  # its source fell behind: the hub re-parents it
+        for c in [c for c in self.by[READING] if now - self.since[c] > self._limit(c) and c not in self.stalled]:
+            self._give_up(c, now, out)
+        for c in [c for c in (*self.by[WAITING], *self.stalled) if now - self.since[c] > self.wait_timeout]:
+            self._fail(c, now, out)  # its source fell behind: the hub re-parents it
+
+    def _limit(self, c: int) -> float:
+        """How long ``c``'s transfer may run: ``read_timeout``, a fragment its share of it
+        (a slow source is given up on after the same time for the chunk, however cut)."""
+        if c in self.fragment:
+            return self.read_timeout * (self.fragment[c] - self.got.get(c, 0)) / self.size(c)
+        return self.read_timeout
+
+    def _give_up(self, c: int, now: float, out: list) -> None:
+        """Stop reading ``c``: through ``STOPPING`` while a transfer may still write it."""
+        if c in self.stalled:  # between fragments: nothing of ours is running
+            self._fail(c, now, out)
+            return
+        self._set(c, STOPPING, now)
+        out.append(Stop(c))
 
     def _start(self, now: float, out: list) -> None:
         room = (1 if self.serial else self.window) - len(self.by[READING])
@@ -299,17 +391,33 @@ class Reader:
             ready.remove(c)
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1
             self._set(c, READING, now)
-            out.append(Start(c, self.source[c], c in self.tiled))
+            if self._fragmented(c):
+                self.got[c] = 0
+                self._next_fragment(c, now, out)
+            else:
+                out.append(Start(c, self.source[c], c in self.tiled))
+
+    def _fragmented(self, c: int) -> bool:
+        """Read ``c`` in fragments: a child may be waiting for it (we head a chain, or its
+        source relays it), or the source has only part of it yet."""
+        return (self.fragments > 1 and c not in self.tiled and c not in self.whole
+                and (self.serial or self.source[c] in self.relays or c in self.avail))
 
     def _await(self, out: list) -> None:
         want: dict[str, int] = {}
-        for c in self.by[WAITING]:
+        # Also every chunk its source has landed only part of (``avail``), read or not:
+        # the notice of more comes while our fragment runs, not a round trip after it
+        # lands, and one Await per source must cover every chunk we may soon need of it.
+        for c in (*self.by[WAITING], *(c for c, n in self.avail.items() if n < self.size(c))):
             s = self.source[c]
             if s not in self.awaiting:
                 want[s] = want.get(s, 0) | 1 << c
         for source, chunks in sorted(want.items()):
             self.awaiting.add(source)
-            out.append(Await(source, chunks))
+            after = None
+            if self.fragments > 1:
+                after = {c: self.avail.get(c, 0) for c in bits(chunks) if c not in self.whole}
+            out.append(Await(source, chunks, after))
 
     def _report(self, now: float, out: list) -> None:
         if self.asked:
@@ -331,7 +439,7 @@ class Reader:
     def _wake(self) -> None:
         at = float("inf")
         for c in self.by[READING]:
-            at = min(at, self.since[c] + self.read_timeout)
+            at = min(at, self.since[c] + (self.wait_timeout if c in self.stalled else self._limit(c)))
         for c in self.by[WAITING]:
             at = min(at, self.since[c] + self.wait_timeout)
         if self.by[WANTED] and not self.asked:
@@ -339,12 +447,21 @@ class Reader:
         self.wake_at = at
 
     def _set(self, chunk: int, st: str, now: float) -> None:
+        if self.state[chunk] == READING:
+            self.got.pop(chunk, None)
+            self.fragment.pop(chunk, None)
+            self.stalled.discard(chunk)
+        if st not in (READY, READING):
+            self.avail.pop(chunk, None)
         self.by[self.state[chunk]].discard(chunk)
         self.state[chunk] = st
         self.by[st].add(chunk)
         self.since[chunk] = now
 
-    def _fail(self, chunk: int, now: float) -> None:
+    def _fail(self, chunk: int, now: float, out: list) -> None:
         self.failed.append((chunk, self.source.get(chunk, "")))
         self._set(chunk, WANTED, now)
+        if chunk in self.relayed:  # its bytes here start over
+            self.relayed.discard(chunk)
+            out.append(Relay(chunk, 0))
 

@@ -9,7 +9,10 @@ fetch into it (``streams``), None while none happened.
 Holder notices (the peer channel's ``Await``, ``engines.wire``). A reader counts a
 verified chunk held with ``mark_held``, never by adding to ``held`` directly: it wakes
 every wait for that chunk (``await_held``: an asyncio future the peer server's loop
-awaits, resolved on that loop with ``call_soon_threadsafe``). Nothing polls. ``gone``
+awaits, resolved on that loop with ``call_soon_threadsafe``). Nothing polls. A reader
+reading a chunk in fragments (``endpoint.reader``) counts each fragment with
+``mark_landed`` (bytes from the chunk's first, unverified), which wakes the waits that
+asked for fragments (``after``) with a chunk of theirs further along than they knew. ``gone``
 (``Replicas.drop``) resolves every wait with None and refuses new ones, so no
 wait outlives the replica. A publisher holds its whole shard from the start; it knows
 only its own manifest, not where its shard starts among the version's global chunk ids,
@@ -47,8 +50,9 @@ class Replica:
     reg: object = None  # registrations.Registration
     written: object = None  # streams: the event recorded after the last scatter into our destination
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Waits for chunks (``await_held``): (loop, future, mask), under ``lock``.
+    # Waits for chunks (``await_held``): (loop, future, mask, after), under ``lock``.
     waiters: list = field(default_factory=list)
+    landed: dict[int, int] = field(default_factory=dict)  # chunk -> bytes landed, not verified (fragments)
     dropped: bool = False  # ``gone`` was called: every wait is refused
     _digest: Optional[int] = None
 
@@ -111,28 +115,57 @@ class Replica:
         with self.lock:
             for c in chunks:
                 self.held.add(c)
+                self.landed.pop(c, None)
                 added |= 1 << c
-            woken = [w for w in self.waiters if w[2] & added]
-            if not woken:
-                return
-            self.waiters = [w for w in self.waiters if not w[2] & added]
-            answers = [(loop, fut, self._holds(mask)) for loop, fut, mask in woken]
-        for loop, fut, have in answers:
-            _notify(loop, fut, have)
+            answers = self._woken(lambda mask, after: mask & added)
+        _notify_all(answers)
 
-    def await_held(self, mask: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def mark_landed(self, chunk: int, nbytes: int) -> None:
+        """``nbytes`` of ``chunk`` from its first byte are in our memory, not verified (0:
+        none any more, its read starts over). Wakes the waits for fragments of it that knew
+        less. Callable from any thread."""
+        with self.lock:
+            if chunk in self.held:
+                return
+            if nbytes <= 0:
+                self.landed.pop(chunk, None)
+                return
+            self.landed[chunk] = nbytes
+            answers = self._woken(lambda mask, after: after is not None and mask >> chunk & 1
+                                  and nbytes > after.get(chunk, 0))
+        _notify_all(answers)
+
+    def _woken(self, ends) -> list:
+        """(Under ``lock``.) Forget the waits ``ends(mask, after)`` is true for; their answers."""
+        woken = [w for w in self.waiters if ends(w[2], w[3])]
+        if woken:
+            self.waiters = [w for w in self.waiters if not ends(w[2], w[3])]
+        return [(loop, fut, self._answer(mask, after)) for loop, fut, mask, after in woken]
+
+    def await_held(self, mask: int, loop: asyncio.AbstractEventLoop,
+                   after: Optional[dict[int, int]] = None) -> asyncio.Future:
         """A future of ``loop`` (call this on the loop's thread) resolved with the chunks
         of ``mask`` held: at once when some are, else when ``mark_held`` adds one; with
-        None once the replica is ``gone``. Give it back with ``forget`` when giving up."""
+        None once the replica is ``gone``. With ``after`` (chunk -> landed bytes known),
+        also once one of those chunks has more landed, and resolved with (chunks held,
+        {chunk of ``mask`` not held: bytes landed}). Give it back with ``forget`` when
+        giving up."""
         fut = loop.create_future()
         with self.lock:
             if self.dropped:
                 fut.set_result(None)
-            elif have := self._holds(mask):
-                fut.set_result(have)
+            elif self._holds(mask) or after is not None and any(
+                    n > after.get(c, 0) for c, n in self.landed.items() if mask >> c & 1):
+                fut.set_result(self._answer(mask, after))
             else:
-                self.waiters.append((loop, fut, mask))
+                self.waiters.append((loop, fut, mask, after))
         return fut
+
+    def _answer(self, mask: int, after: Optional[dict[int, int]]):
+        have = self._holds(mask)
+        if after is None:
+            return have
+        return have, {c: n for c, n in self.landed.items() if mask >> c & 1 and not have >> c & 1}
 
     def forget(self, fut: asyncio.Future) -> None:
         with self.lock:
@@ -143,7 +176,7 @@ class Replica:
         with self.lock:
             self.dropped = True
             waiters, self.waiters = self.waiters, []
-        for loop, fut, _ in waiters:
+        for loop, fut, *_ in waiters:
             _notify(loop, fut, None)
 
     def _holds(self, mask: int) -> int:
@@ -182,7 +215,12 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-def _notify(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Optional[int]) -> None:
+def _notify_all(answers: list) -> None:
+    for loop, fut, value in answers:
+        _notify(loop, fut, value)
+
+
+def _notify(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value) -> None:
     def answer() -> None:
         if not fut.done():  # (the wait may have timed out meanwhile)
             fut.set_result(value)

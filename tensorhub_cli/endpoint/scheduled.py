@@ -14,8 +14,14 @@ the deadline): nothing here polls.
   engine's ``when_over`` puts its end on the queue (``Landed``).
 - ``Verify``: the checksum on a verifier thread; its end is ``Checked``. A verified
   chunk is scattered, counted, and ``mark_held``: readers waiting on us hear of it.
-- ``Await``: ``wire.await_chunks`` on the source (a thread per source waited on): its
-  answer is ``Noticed``; a refusal or a dead source, ``AwaitFailed``.
+- ``Await``: ``wire.await_chunks`` on the source (a thread per source waited on), or
+  ``wire.await_fragments`` when the core reads fragments: its answer is ``Noticed``; a
+  refusal or a dead source, ``AwaitFailed``.
+- ``Relay``: ``Replica.mark_landed``: readers waiting on us for fragments of the chunk hear
+  of the bytes landed.
+- Fragments: ``TH_RELAY_FRAGMENTS`` reads a chunk (``FRAGMENTS`` by default; 1: whole chunks
+  only) where the core reads in fragments; a chunk read in part (tiles) or as a delta is
+  read whole.
 - ``Stop``: the engine is told to stop the read; ``Stopped`` once it confirms.
 
 A read the hub planned with a ``base`` (``hub.deltas``) whose base chunk we hold
@@ -33,12 +39,13 @@ unreported results added.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..engines import wire
-from ..engines.base import EngineError
+from ..engines.base import EngineError, Pair
 from ..errors import FetchError
 from ..hub import protocol as p
 from ..hub.client import HubClient, HubError
@@ -52,6 +59,21 @@ log = logging.getLogger("tensorhub.fetch")
 
 AWAIT_S = 20.0  # one wait on a source's notice (the holder caps it at 30 s); then asked again
 WAIT_TIMEOUT_S = 120.0  # a chunk waiting this long on its source is re-planned (the source fell behind)
+FRAGMENTS = 4  # reads per relayed chunk (docs/design.md, "Fragments": 4 MiB chunks on the testbed)
+
+
+def fragments(environ=os.environ) -> int:
+    """Reads per relayed chunk: ``TH_RELAY_FRAGMENTS`` (an integer from 1 to 64), else ``FRAGMENTS``."""
+    raw = environ.get("TH_RELAY_FRAGMENTS")
+    if raw is None or raw == "":
+        return FRAGMENTS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ValueError(f"TH_RELAY_FRAGMENTS must be an integer from 1 to 64, not {raw!r}")
+    return n
 
 
 class ScheduledFetch(Fetch):
@@ -64,7 +86,8 @@ class ScheduledFetch(Fetch):
         self.no_delta: set[int] = set()  # chunks whose delta failed: read in full from now on
         self.by_delta: set[int] = set()  # chunks whose latest landing was rebuilt from a delta
         self.deltas: DeltaReads | None = None  # made at the first delta read
-        self.stats.update(delta_reads=0, delta_wire_bytes=0, delta_full=0, delta_failed=0)
+        self.stats.update(delta_reads=0, delta_wire_bytes=0, delta_full=0, delta_failed=0,
+                          early_fragments=0)  # fragments read from a source that had landed only part of the chunk
 
     def _loop(self) -> None:
         h = self.held
@@ -72,7 +95,9 @@ class ScheduledFetch(Fetch):
         if self.only is not None:
             wanted &= self.only
         wanted &= ~sum(1 << c for c in (*h.held, *h.passed))
-        self.core = core.Reader(wanted, window=self.window, read_timeout=self.read_timeout, wait_timeout=WAIT_TIMEOUT_S)
+        views = h.placed.views
+        self.core = core.Reader(wanted, window=self.window, read_timeout=self.read_timeout, wait_timeout=WAIT_TIMEOUT_S,
+                                fragments=fragments(), size=lambda c: views[c].nbytes, whole=set(h.placed.parts))
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.sources: dict[str, p.Source] = {}
         self.asked = None
@@ -112,13 +137,16 @@ class ScheduledFetch(Fetch):
         """Carry out one action; True once the fetch is done."""
         h = self.held
         if isinstance(a, core.Start):
-            self._begin(a.chunk, a.source, a.tiled)
+            self.stats["early_fragments"] += a.chunk in self.core.avail
+            self._begin(a.chunk, a.source, a.tiled, a.at, a.nbytes)
+        elif isinstance(a, core.Relay):
+            h.mark_landed(a.chunk, a.nbytes)
         elif isinstance(a, core.Verify):
             self.verifying[a.chunk] = Verifying(a.source, self.ep.verifiers.submit(
                 h.placed.check, a.chunk, h.expected(a.chunk)))
             self.verifying[a.chunk].digest.add_done_callback(lambda f, c=a.chunk: self.q.put(("checked", c)))
         elif isinstance(a, core.Await):
-            self._waits.submit(self._await, a.source, a.chunks)
+            self._waits.submit(self._await, a.source, a.chunks, a.after)
         elif isinstance(a, core.Stop):
             self._stop_read(a.chunk)
         elif isinstance(a, core.Ask):
@@ -140,15 +168,21 @@ class ScheduledFetch(Fetch):
             return self.held.want()
         return p.bitset(self.only)
 
-    def _begin(self, chunk: int, source_name: str, tiled: bool) -> None:
+    def _begin(self, chunk: int, source_name: str, tiled: bool, at: int = 0, nbytes: int = 0) -> None:
+        """Read ``chunk`` (or its fragment: ``nbytes`` from ``at``) from ``source_name``."""
         source = self.sources.get(source_name)
         read = p.Read(chunk=chunk, source=source_name, tiled=tiled)
         try:
             if source is None:
                 raise EngineError(f"hub named source {source_name} without its address")
-            if not tiled and self._begin_delta(chunk, source):
+            if not tiled and not nbytes and self._begin_delta(chunk, source):
                 return
             holder, pairs = self._pairs(read, source)
+            if nbytes:  # a fragment of a whole chunk's one pair
+                if len(pairs) != 1 or at + nbytes > pairs[0].nbytes:
+                    raise EngineError(f"fragment [{at}, {at + nbytes}) of chunk {chunk}: not within one "
+                                      f"read of {sum(x.nbytes for x in pairs)} bytes")
+                pairs = [Pair(pairs[0].remote + at, pairs[0].local + at, nbytes)]
             xfer = holder.engine.read(holder.peer, pairs, self.held.placed.device,
                                       remote_device=holder.described.device)
         except (EngineError, wire.PeerError) as exc:
@@ -242,21 +276,25 @@ class ScheduledFetch(Fetch):
             return
         self.q.put(("refused", "timed out waiting for the hub's plan"))
 
-    def _await(self, source_name: str, chunks: int) -> None:
+    def _await(self, source_name: str, chunks: int, after: dict | None) -> None:
         source = self.sources.get(source_name)
         left = self.deadline - time.monotonic()
+        landed: dict[int, int] = {}
         try:
             if source is None:
                 raise wire.PeerError(f"no address for {source_name}")
-            have = wire.await_chunks(source.engine_meta.decode(), self.ep.token, self.held.model,
-                                     self.held.version, chunks, timeout=max(0.0, min(AWAIT_S, left)),
-                                     source=self.ep.host)
+            args = (source.engine_meta.decode(), self.ep.token, self.held.model, self.held.version, chunks,
+                    max(0.0, min(AWAIT_S, left)), self.ep.host)
+            if after is None:
+                have = wire.await_chunks(*args)
+            else:
+                have, landed = wire.await_fragments(*args, after)
         except (wire.PeerError, OSError, ValueError) as exc:
             self._warn(source_name, f"waiting on {source_name} for chunks of {self.held.model}@"
                                     f"{self.held.version} failed: {exc}")
             self.q.put(("await_failed", source_name))
             return
-        self.q.put(("noticed", source_name, have))
+        self.q.put(("noticed", source_name, have, landed))
 
     # --- events -------------------------------------------------------------------------------
     def _event(self, item):
@@ -274,12 +312,13 @@ class ScheduledFetch(Fetch):
                     if r.chunk not in h.held and r.chunk not in h.passed:
                         h.reading.setdefault(r.chunk, r.source)
             self.bases.update((r.chunk, r.base) for r in reads)
+            self.core.whole.update(r.chunk for r in reads if r.base >= 0)  # (a delta is read whole)
             return core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in reads], planned.complete,
                                planned.first, planned.serial)
         if kind == "refused":
             return core.Refused(item[1])
         if kind == "noticed":
-            return core.Noticed(item[1], item[2])
+            return core.Noticed(item[1], item[2], item[3])
         if kind == "await_failed":
             return core.AwaitFailed(item[1])
         if kind == "landed":
@@ -368,8 +407,8 @@ class ScheduledFetch(Fetch):
         failed = [p.Read(chunk=x, source=s) for x, s in (c.failed if c else [])]
         failed += [p.Read(chunk=x, source=v.source) for x, v in self.verifying.items()]
         failed += self.failed
-        if c:  # scheduled, not started: nothing of ours touches the source; unpin them
-            for x in (*c.by[core.WAITING], *c.by[core.READY]):
+        if c:  # scheduled, not started (or between fragments): nothing of ours touches the source
+            for x in (*c.by[core.WAITING], *c.by[core.READY], *c.stalled):
                 failed.append(p.Read(chunk=x, source=c.source[x]))
         if self.asked is not None:
             done += self.asked.chunks

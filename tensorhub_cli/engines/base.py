@@ -191,7 +191,12 @@ class Engine(ABC):
         Default: the engine's watcher thread checks ``states_of`` (``engines.watcher``)
         and raises EngineError once ``close`` stopped it; engines with a completion of
         their own (tcp) override it."""
-        self._watcher().watch(transfer, fn)
+        self._watcher().watch(transfer, fn, self.size_of(transfer))
+
+    def size_of(self, transfer: object) -> int:
+        """Bytes ``transfer`` moves, or 0 when the engine does not keep it (the watcher
+        then predicts its end from durations alone)."""
+        return 0
 
     def states_of(self, transfers: list) -> list[State]:
         """``state`` of each transfer: the watcher's one call per round (an engine may

@@ -107,6 +107,7 @@ class NixlEngine(Engine):
         nixl = load_nixl() if device is None else load_nixl(device)
         self._lock = threading.Lock()
         self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
+        self._sizes: dict = {}  # the same handles -> bytes each reads (the watcher's predictions)
         self._agent, thread = nixl_progress.make_agent(nixl, f"{name}.{os.getpid()}",
                                                        nixl_progress.wanted(os.environ))
         self.needs_progress = not thread  # (NIXL's own thread progresses UCX: nixl_progress)
@@ -169,11 +170,15 @@ class NixlEngine(Engine):
                     self._agent.release_xfer_handle(handle)
                     raise EngineError("NIXL refused to start the READ")
                 self._posted[handle] = agent
+                self._sizes[handle] = sum(p.nbytes for p in pairs)
                 return handle
         except EngineError:
             raise
         except Exception as exc:
             raise EngineError(f"NIXL READ could not start: {type(exc).__name__}: {exc}") from exc
+
+    def size_of(self, transfer: object) -> int:
+        return self._sizes.get(transfer, 0)
 
     def state(self, transfer: object) -> State:
         try:
@@ -219,6 +224,7 @@ class NixlEngine(Engine):
         except Exception:
             return False
         self._posted.pop(transfer, None)
+        self._sizes.pop(transfer, None)
         return True
 
     def _pending(self, transfer: object) -> bool:

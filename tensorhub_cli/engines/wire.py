@@ -36,6 +36,13 @@ a bad token is answered ``Refused`` and the connection closed. The asks:
   answers the unknown tag ``Refused`` (malformed) and closes the connection, which
   ``await_chunks`` raises as ``PeerError``; a reader that must work with such holders
   falls back to asking the hub.
+  Fragments (a relay's chunk in fragments, ``endpoint.reader``): an ``Await`` with ``after``
+  (chunk -> bytes) also ends once one of those chunks has more bytes landed at the
+  holder, from its first byte, than ``after`` names (landed: read, not yet verified);
+  ``Have.landed`` then gives, for asked chunks not held, the bytes landed. Absent
+  ``after``, a holder answers as before, and a holder that predates the field decodes
+  the ask without it (msgspec skips unknown fields) and answers only what it holds,
+  which the reader takes as it always did.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ class Await(msgspec.Struct, tag="await"):
     version: int
     chunks: bytes  # little-endian bitmask of global chunk ids (``mask_bytes``)
     timeout_s: float
+    after: Optional[dict[int, int]] = None  # fragments: chunk -> landed bytes already known
 
 
 class ReadDelta(msgspec.Struct, tag="delta"):
@@ -117,6 +125,7 @@ class DeltaBytes(msgspec.Struct, tag="deltabytes"):
 
 class Have(msgspec.Struct, tag="have"):
     chunks: bytes  # the asked chunks held (little-endian bitmask); empty: none within the wait
+    landed: dict[int, int] = {}  # fragments: asked chunks not held -> bytes landed (unverified)
 
 
 class Refused(msgspec.Struct, tag="refused"):
@@ -222,12 +231,26 @@ def await_chunks(address: str, token: str, model: str, version: int, mask: int, 
     The connect, the send and the answer's receive each give up after ``timeout`` +
     ``AWAIT_MARGIN_S``. Raises ``ValueError`` naming a bad ``mask`` or ``timeout``, and
     ``PeerError`` on refusal (``not_found``: the holder does not hold that version, or
-    dropped it while we waited), silence or a bad answer."""
+    dropped it while we waited), silence or a bad answer. With ``after`` (fragments, see
+    the module), use ``await_fragments``."""
+    return _await(address, token, model, version, mask, timeout, source, None)[0]
+
+
+def await_fragments(address: str, token: str, model: str, version: int, mask: int, timeout: float,
+                 source: Optional[str], after: dict[int, int]) -> tuple[int, dict[int, int]]:
+    """``await_chunks`` that also ends when a chunk of ``after`` has more bytes landed at
+    the holder than named there: (chunks held, {chunk: bytes landed} for chunks of
+    ``mask`` not held)."""
+    return _await(address, token, model, version, mask, timeout, source, after)
+
+
+def _await(address: str, token: str, model: str, version: int, mask: int, timeout: float,
+           source: Optional[str], after: Optional[dict[int, int]]) -> tuple[int, dict[int, int]]:
     if not isinstance(mask, int) or mask <= 0:
         raise ValueError(f"await_chunks: mask must name at least one chunk (a positive int), not {mask!r}")
     if not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
         raise ValueError(f"await_chunks: timeout must be a finite number of seconds >= 0, not {timeout!r}")
-    ask = Await(model=model, version=version, chunks=mask_bytes(mask), timeout_s=float(timeout))
+    ask = Await(model=model, version=version, chunks=mask_bytes(mask), timeout_s=float(timeout), after=after)
     with dial(address, timeout + AWAIT_MARGIN_S, source) as sock:
         try:
             sock.sendall(frame(Ask(v=WIRE_VERSION, token=token, op=ask)))
@@ -242,7 +265,10 @@ def await_chunks(address: str, token: str, model: str, version: int, mask: int, 
     have = mask_int(body.chunks)
     if have & ~mask:
         raise PeerError(f"holder at {address} answered await of {model}@{version} with chunks not asked")
-    return have
+    if any(not mask >> c & 1 or have >> c & 1 for c in body.landed):
+        raise PeerError(f"holder at {address} answered await of {model}@{version} with landed bytes of "
+                        f"chunks not asked or held")
+    return have, body.landed
 
 
 def read_delta(address: str, token: str, model: str, version: int, base: int, index: int, nbytes: int,

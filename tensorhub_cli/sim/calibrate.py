@@ -197,13 +197,15 @@ def _children(rank: int, world: int) -> list[int]:
 def as_measured(params: SimParams, res: dict) -> SimParams:
     """``params`` with the hub and readers a fan-out file ran: chain heads read one
     chunk at a time only where it says ``"heads": "serial"`` (before, their whole
-    window), and the hub mustered for its ``"muster_s"`` (before musters: none, plans
-    answered as they came)."""
-    tb, serial = params.testbed, res.get("heads") == "serial"
+    window), relayed chunks are read in its ``"fragments"`` (before: whole), and the
+    hub mustered for its ``"muster_s"`` (before musters: none, plans answered as they
+    came)."""
+    tb = params.testbed
+    reader = {"serial_heads": res.get("heads") == "serial", "fragments": res.get("fragments", 1)}
     return params.model_copy(update={
         "hub": params.hub.model_copy(update={"muster_s": res.get("muster_s", 0.0)}),
-        "testbed": tb.model_copy(update={"fetch": tb.fetch.model_copy(update={"serial_heads": serial}),
-                                         "schedule_fetch": tb.schedule_fetch.model_copy(update={"serial_heads": serial})}),
+        "testbed": tb.model_copy(update={"fetch": tb.fetch.model_copy(update=reader),
+                                         "schedule_fetch": tb.schedule_fetch.model_copy(update=reader)}),
     })
 
 

@@ -81,6 +81,9 @@ class Fetch(Strict):
     start_jitter_s: float = Field(0.1, ge=0, description="rollout instances start fetching within this spread")
     serial_heads: bool = Field(True, description="a chain head reads one chunk at a time (``Planned.serial``); "
                                "False: its whole window, as readers did in files measured before 2026-12-06")
+    fragments: int = Field(4, ge=1, le=64, description="reads per chunk a child may wait for, each relayed as "
+                           "it lands (endpoint/reader.py; TH_RELAY_FRAGMENTS); 1: whole chunks, as in every "
+                           "measurement file without \"fragments\"")
 
 
 class HubParams(Strict):

@@ -3,12 +3,13 @@ sans I/O) driven by the simulator's events instead of sockets and engines.
 
 Protocol: ``Resolve``, then the core's actions carried out in simulated time: ``Ask``
 is a ``Plan`` with ``schedule`` to the real hub (its answer comes back as ``Answer``);
-``Start`` is one flow of the chunk's bytes from the source's GPU to ours (``Landed``
-when it ends; a dead source's read fails after ``read_error_s``); ``Verify`` queues the
+``Start`` is one flow of the chunk's bytes (or its fragment's) from the source's GPU to
+ours (``Landed`` when it ends; a dead source's read fails after ``read_error_s``); ``Verify`` queues the
 checksum on one of ``verifiers`` (``verify_s`` + bytes at ``verify_gbps``, after the
 delta's rebuild time when the world sent the chunk as a delta) and answers
 ``Checked``; ``Await`` asks the source for a notice: answered after half a round trip
-once the source holds one of the chunks (a publisher holds its shard), or
+once the source holds one of the chunks (a publisher holds its shard), or, asked with
+``after``, has landed more of one (``Relay`` tells the world: ``World.relayed``), or
 ``AwaitFailed`` after ``read_error_s`` when the source is dead. Nothing polls: the core
 is stepped on each event, and on its ``wake_at`` (timeouts, the paced re-ask).
 """
@@ -65,7 +66,8 @@ class ScheduledFetch:
             sizes = self.world.chunk_sizes[(self.model, body.version)] = [c.nbytes for m in body.shards for c in m.chunks]
         self.sizes = sizes
         wanted = self.want or (1 << len(sizes)) - 1
-        self.core = core.Reader(wanted, window=self.cfg.window, read_timeout=float("inf"), wait_timeout=float("inf"))
+        self.core = core.Reader(wanted, window=self.cfg.window, read_timeout=float("inf"), wait_timeout=float("inf"),
+                                fragments=self.cfg.fragments, size=sizes.__getitem__)
         self.step([])
 
     # --- the core's loop ------------------------------------------------------------------
@@ -102,7 +104,9 @@ class ScheduledFetch:
             if src is None or not src.alive:  # the engine cannot reach it: the read fails
                 w.loop.after(self.cfg.read_error_s, self._failed_read, a.chunk, 0)
                 return
-            self.flows[a.chunk] = w.transfer(src, self, a.chunk, self.sizes[a.chunk])
+            self.flows[a.chunk] = w.transfer(src, self, a.chunk, a.nbytes or self.sizes[a.chunk], bool(a.nbytes))
+        elif isinstance(a, core.Relay):
+            w.relayed(self.ep, self.key, a.chunk, a.nbytes)
         elif isinstance(a, core.Verify):
             nbytes = self.sizes[a.chunk]
             i = min(range(len(self._verifiers)), key=self._verifiers.__getitem__)
@@ -111,7 +115,7 @@ class ScheduledFetch:
             self._verifiers[i] = t
             w.loop.at(t, self._verified, a.chunk, a.source)
         elif isinstance(a, core.Await):
-            w.await_chunks(self, a.source, a.chunks)
+            w.await_chunks(self, a.source, a.chunks, a.after)
         elif isinstance(a, core.Stop):
             fid = self.flows.pop(a.chunk, 0)
             if fid:
@@ -128,7 +132,10 @@ class ScheduledFetch:
         if isinstance(body, p.Error):
             return self._end(body)
         self.ep.heard_at = self.world.loop.now
-        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in body.listed()], body.complete,
+        reads = body.listed()
+        # (a delta is read whole, as the real reader reads a read the hub gave a base)
+        self.core.whole.update(r.chunk for r in reads if self.world.sends_delta(r.source, self, r.chunk))
+        self.step([core.Answer([(r.chunk, r.source, r.ready, r.tiled) for r in reads], body.complete,
                                body.first, body.serial and self.cfg.serial_heads)])
 
     # --- what the network, the verifiers and the sources report -----------------------------
@@ -158,8 +165,8 @@ class ScheduledFetch:
         self.step([core.Checked(chunk, True)])
         self.world.holds(self.ep, self.key, chunk)
 
-    def noticed(self, source: str, chunks: int) -> None:
-        self.step([core.Noticed(source, chunks)])
+    def noticed(self, source: str, chunks: int, landed: dict | None = None) -> None:
+        self.step([core.Noticed(source, chunks, landed or {})])
 
     def await_failed(self, source: str) -> None:
         self.step([core.AwaitFailed(source)])

@@ -77,7 +77,8 @@ class World:
         self.chunk_sizes: dict[tuple, list[int]] = {}  # (model, version) -> bytes per chunk, from a Resolve
         # Scheduled readers (sim/reader.py): what each endpoint holds, and who waits for its notice.
         self._held: dict[tuple[str, tuple], int] = {}  # (endpoint, (model, version)) -> verified chunks
-        self._waiters: dict[tuple[str, tuple], list[tuple[object, int]]] = {}
+        self._waiters: dict[tuple[str, tuple], list[tuple[object, int, dict | None]]] = {}
+        self._fragments: dict[tuple[str, tuple], dict[int, int]] = {}  # fragments: chunk -> bytes landed, unverified
         self.hub.start_sweeps()
         self.loop.after(h.heartbeat_s, self._beat)
 
@@ -126,7 +127,7 @@ class World:
         ep.die()
         for (source, _), waiters in list(self._waiters.items()):
             if source == name:
-                for fetch, _ in waiters:
+                for fetch, *_ in waiters:
                     self.loop.after(self.fetch_params.read_error_s, fetch.await_failed, name)
                 waiters.clear()
         for fid in list(self._by_endpoint.get(name, ())):
@@ -136,38 +137,64 @@ class World:
                 self.loop.after(self.fetch_params.read_error_s, fetch.read_failed, chunk, src.name, fid)
 
     # --- notices (a holder tells a waiting reader it has a chunk now) --------------------
-    def await_chunks(self, fetch, source: str, chunks: int) -> None:
+    def await_chunks(self, fetch, source: str, chunks: int, after: dict | None = None) -> None:
+        """As ``wire.Await``: noticed once ``source`` holds one of ``chunks`` or, with
+        ``after``, has landed more of one than ``after`` names."""
         src = self.endpoints.get(source)
         if src is None or not src.alive:
             self.loop.after(self.fetch_params.read_error_s, fetch.await_failed, source)
             return
         key = (source, fetch.key)
         have = chunks if source in self.publishers else self._held.get(key, 0) & chunks
-        if have:
-            self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, source, have)
+        landed = self._landed_of(key, chunks & ~have, after)
+        if have or any(n > after.get(c, 0) for c, n in landed.items()):
+            self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, source, have, landed)
         else:
-            self._waiters.setdefault(key, []).append((fetch, chunks))
+            self._waiters.setdefault(key, []).append((fetch, chunks, after))
+
+    def _landed_of(self, key: tuple, chunks: int, after: dict | None) -> dict[int, int]:
+        if after is None:
+            return {}
+        return {c: n for c, n in self._fragments.get(key, {}).items() if chunks >> c & 1}
 
     def holds(self, ep, version_key: tuple, chunk: int) -> None:
         """``ep`` verified ``chunk``: readers waiting for it hear so half a round trip later."""
         key = (ep.name, version_key)
         held = self._held[key] = self._held.get(key, 0) | 1 << chunk
+        self._fragments.get(key, {}).pop(chunk, None)
+        self._wake(key, held, lambda chunks, after: chunks >> chunk & 1)
+
+    def relayed(self, ep, version_key: tuple, chunk: int, nbytes: int) -> None:
+        """``ep`` has ``nbytes`` of ``chunk`` landed, unverified (0: its read starts over):
+        readers waiting for its fragments hear so half a round trip later."""
+        key = (ep.name, version_key)
+        if not nbytes:
+            self._fragments.get(key, {}).pop(chunk, None)
+            return
+        self._fragments.setdefault(key, {})[chunk] = nbytes
+        self._wake(key, self._held.get(key, 0), lambda chunks, after: after is not None and chunks >> chunk & 1
+                   and nbytes > after.get(chunk, 0))
+
+    def _wake(self, key: tuple, held: int, ends) -> None:
         waiters = self._waiters.get(key)
         if not waiters:
             return
         keep = []
-        for fetch, chunks in waiters:
-            if chunks >> chunk & 1:
-                self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, ep.name, chunks & held)
+        for fetch, chunks, after in waiters:
+            if ends(chunks, after):
+                have = chunks & held
+                self.loop.after(self.fetch_params.plan_rtt_s / 2, fetch.noticed, key[0], have,
+                                self._landed_of(key, chunks & ~have, after))
             else:
-                keep.append((fetch, chunks))
+                keep.append((fetch, chunks, after))
         self._waiters[key] = keep
 
     # --- bytes --------------------------------------------------------------------------
-    def transfer(self, src: SimEndpoint, fetch: Fetch, chunk: int, nbytes: int) -> int:
+    def transfer(self, src: SimEndpoint, fetch: Fetch, chunk: int, nbytes: int, fragment: bool = False) -> int:
+        """A flow of ``chunk`` (``fragment``: ``nbytes`` of it, never a delta) from ``src`` to ``fetch``."""
         level = self.topology.level(src.gpu, fetch.ep.gpu)
         rebuild_s = 0.0
-        if self._delta(src, fetch, chunk, level):
+        if not fragment and self._delta(src, fetch, chunk, level):
             d = self.params.deltas
             rebuild_s = nbytes * 8 / (d.rebuild_gbps * 1e9)
             nbytes = max(1, math.ceil(nbytes * d.ratio))
@@ -179,6 +206,11 @@ class World:
         self._by_endpoint.setdefault(src.name, set()).add(fid)
         self._by_endpoint.setdefault(fetch.ep.name, set()).add(fid)
         return fid
+
+    def sends_delta(self, source: str, fetch, chunk: int) -> bool:
+        """A read of ``chunk`` from ``source`` would go as a delta (``transfer``)."""
+        src = self.endpoints.get(source)
+        return src is not None and self._delta(src, fetch, chunk, self.topology.level(src.gpu, fetch.ep.gpu))
 
     def _delta(self, src: SimEndpoint, fetch, chunk: int, level: str) -> bool:
         d = self.params.deltas

@@ -131,7 +131,9 @@ def test_unpublish_waits_for_a_slow_read_and_the_reader_gets_the_old_bytes(hub):
     # 4 s, so the reader stays mid-read for seconds (at 1 MiB/s a busy machine's first poll
     # could come after the last byte).
     pub = spawn("pub", "tcp", env={"TH_TEST_SERVE_BPS": str(256 << 10)})
-    reader = spawn("reader", "tcp")
+    # (Whole chunks: the hook sleeps after each read it serves, and a chain head reading
+    # in fragments would make as many sleeps, one after another, as the unpublish's 30 s.)
+    reader = spawn("reader", "tcp", env={"TH_RELAY_FRAGMENTS": "1"})
     pub.ask("publish", model="m", version=1, seed=8, mib=8, chunk_mib=1)
     reader.send("fetch", model="m", seed=8, mib=8, window=32, timeout=60)  # every chunk in flight at once
     wait_until(lambda: holder(client, "m", 1, "reader"), 30, "the reader's first reads")
@@ -171,3 +173,23 @@ def test_a_restarted_hub_rebuilds_from_endpoint_holdings_and_serves_new_readers(
             w.stop()
         client.close()
         stop_child(proc)
+
+
+@pytest.mark.parametrize("fragments", ["4", "1"])
+def test_a_relay_serves_fragments_it_has_not_verified_and_its_child_still_gets_exact_bytes(hub, fragments):
+    """A chain of two behind a slow publisher: with fragments, the child reads parts of
+    chunks its parent is still reading (``early_fragments``) and verifies each whole
+    chunk; relaying whole chunks (TH_RELAY_FRAGMENTS=1) it never does."""
+    _, client, spawn = hub
+    pub = spawn("pub", "tcp", env={"TH_TEST_SERVE_BPS": str(8 << 20)})  # a 4 MiB chunk in 0.5 s
+    readers = [spawn(f"r{i}", "tcp", env={"TH_RELAY_FRAGMENTS": fragments}) for i in range(2)]
+    pub.ask("publish", model="m", version=1, seed=3, mib=16, chunk_mib=4)
+    for r in readers:
+        r.send("fetch", model="m", seed=3, mib=16, window=2)
+    results = [r.recv(120) for r in readers]
+    for r, res in zip(readers, results):
+        assert res.get("version") == 1 and res["equal"], (r.name, res)
+        assert res["stats"]["corrupt"] == 0, (r.name, res["stats"])
+    early = sum(res["stats"]["early_fragments"] for res in results)
+    assert (early > 0) == (fragments != "1"), [res["stats"] for res in results]
+    assert client.call(p.Status()).counters.get("reads_from_readers", 0) > 0

@@ -196,6 +196,44 @@ def test_a_callback_that_raises_is_logged_and_the_watcher_goes_on(caplog):
         engine.close()
 
 
+def test_the_watcher_learns_the_rate_and_checks_a_transfer_only_near_its_predicted_end():
+    """Once a sized transfer ended, the next one's end is predicted from its bytes: no
+    check until most of that time passed (the back-off alone, capped at 4 ms, would
+    check it dozens of times), and its end is still noticed promptly."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    states: dict[int, str] = {}
+    checked: list[tuple[float, int]] = []
+
+    def check(transfers):
+        checked.extend((time.monotonic(), t) for t in transfers)
+        return [states[t] for t in transfers]
+
+    watcher = Watcher(check, max_s=4e-3)
+    try:
+        states[0] = "pending"
+        first = Calls()
+        watcher.watch(0, first, nbytes=1_000_000)
+        time.sleep(0.1)  # 1 MB in 0.1 s: 10 MB/s
+        states[0] = "done"
+        first.wait()
+        states[1] = "pending"
+        second = Calls()
+        t0 = time.monotonic()
+        watcher.watch(1, second, nbytes=3_000_000)  # 0.3 s at that rate
+        time.sleep(0.2)
+        early = [at for at, t in checked if t == 1 and t0 + 0.02 < at < t0 + 0.2]
+        assert not early, f"{len(early)} checks long before its predicted end"
+        time.sleep(0.15)
+        flipped = time.monotonic()
+        states[1] = "done"
+        second.wait()
+        noticed = max(at for at, t in checked if t == 1)
+        assert noticed - flipped < 0.05, f"noticed {noticed - flipped:.3f}s after it ended"
+    finally:
+        watcher.close()
+
+
 def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():
     """The fake agent (test_nixl_engine) checks the bookkeeping; this, the real NIXL. The
     holder's ``progress`` stands for its endpoint's service thread (where NIXL's progress

@@ -205,3 +205,50 @@ def test_a_holder_that_predates_await_refuses_it_and_the_reader_hears_a_peer_err
     replicas[("m", 1)] = replica()
     with pytest.raises(wire.PeerError, match="malformed"):
         wire.await_chunks(server.address, TOKEN, "m", 1, 0b1, 20.0)
+
+
+# --- fragments (``Await.after``, ``Replica.mark_landed``) ------------------------------------
+def test_a_fragments_waiter_is_answered_when_the_holder_lands_more_of_an_asked_chunk(rig):
+    server, replicas = rig
+    held = replicas[("m", 1)] = replica()
+    held.mark_landed(3, 1024)  # known to the asker already: no answer for it
+    t, out = waiting(wire.await_fragments, server.address, TOKEN, "m", 1, 0b1100, 20.0, None, {3: 1024})
+    wait_subscribed(held)
+    held.mark_landed(5, 512)  # not asked
+    time.sleep(0.1)
+    assert t.is_alive(), f"answered for bytes it knew or did not ask: {out}"
+    threading.Thread(target=held.mark_landed, args=(2, 2048)).start()
+    t.join(timeout=10)
+    assert out.get("value") == (0, {2: 2048, 3: 1024}), out
+
+
+def test_a_plain_waiter_never_hears_of_unverified_bytes(rig):
+    server, replicas = rig
+    held = replicas[("m", 1)] = replica()
+    t, out = waiting(wire.await_chunks, server.address, TOKEN, "m", 1, 0b1, 20.0)
+    wait_subscribed(held)
+    held.mark_landed(0, 4096)
+    time.sleep(0.1)
+    assert t.is_alive(), f"a wait without after answered for landed bytes: {out}"
+    held.mark_held([0])
+    t.join(timeout=10)
+    assert out.get("value") == 1, out
+
+
+def test_held_supersedes_landed_and_a_restart_forgets_the_bytes(rig):
+    server, replicas = rig
+    held = replicas[("m", 1)] = replica()
+    held.mark_landed(1, 1024)
+    held.mark_landed(1, 0)  # its read failed: those bytes may be rewritten
+    assert wire.await_fragments(server.address, TOKEN, "m", 1, 0b10, 0.2, None, {1: 0}) == (0, {})
+    held.mark_landed(1, 2048)
+    held.mark_held([1])
+    held.mark_landed(1, 1024)  # (a late fragment of a chunk held: ignored)
+    assert wire.await_fragments(server.address, TOKEN, "m", 1, 0b11, 5.0, None, {0: 0, 1: 0}) == (0b10, {})
+
+
+def test_an_after_naming_a_chunk_not_asked_is_refused_naming_it(rig):
+    server, replicas = rig
+    replicas[("m", 1)] = replica()
+    with pytest.raises(wire.PeerError, match="after names a chunk not in chunks"):
+        wire.await_fragments(server.address, TOKEN, "m", 1, 0b1, 5.0, None, {2: 0})

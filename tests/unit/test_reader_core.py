@@ -120,14 +120,124 @@ def test_a_chain_head_reads_one_chunk_at_a_time_so_each_lands_for_its_child_a_ch
     assert [a.chunk for a in out if isinstance(a, core.Start)] == [1], "the next starts once one lands"
 
 
+# --- fragments: a chunk a child may wait for is read, and relayed, a fragment at a time --------
+def fragments_of(out):
+    return [(a.chunk, a.at, a.nbytes) for a in out if isinstance(a, core.Start)]
+
+
+def relays(out):
+    return [(a.chunk, a.nbytes) for a in out if isinstance(a, core.Relay)]
+
+
+def test_a_chain_head_reads_its_chunk_in_fragments_and_relays_each_as_it_lands():
+    r = core.Reader(0b11, fragments=4, size=lambda c: 100)
+    r.step(0.0)
+    out = r.step(0.0, [core.Answer([(0, "pub", True, False), (1, "pub", True, False)], serial=True)])
+    assert fragments_of(out) == [(0, 0, 25)]
+    for at in (25, 50, 75):
+        out = r.step(0.1, [core.Landed(0, True)])
+        assert relays(out) == [(0, at)] and fragments_of(out) == [(0, at, 25)], out
+    out = r.step(0.2, [core.Landed(0, True)])
+    assert kinds(out) == ["Relay", "Verify", "Start"] and relays(out) == [(0, 100)]
+    assert r.state[0] == core.VERIFYING and fragments_of(out) == [(1, 0, 25)], "verified whole; the next chunk starts"
+
+
+def test_a_child_reads_a_relays_fragments_as_it_lands_them_and_verifies_the_whole_chunk():
+    r = core.Reader(0b1, fragments=4, size=lambda c: 100)
+    r.step(0.0)
+    out = r.step(0.0, [core.Answer([(0, "parent", False, False)])])
+    assert [(a.source, a.chunks, a.after) for a in out if isinstance(a, core.Await)] == [("parent", 1, {0: 0})]
+    out = r.step(0.1, [core.Noticed("parent", 0, {0: 40})])
+    assert fragments_of(out) == [(0, 0, 25)]
+    # it asks for more while it reads what the parent has, not once it runs out
+    assert [(a.source, a.after) for a in out if isinstance(a, core.Await)] == [("parent", {0: 40})]
+    out = r.step(0.2, [core.Landed(0, True)])
+    assert fragments_of(out) == [(0, 25, 15)], "only what the parent has landed"
+    out = r.step(0.3, [core.Landed(0, True)])
+    assert fragments_of(out) == [] and 0 in r.stalled and "Await" not in kinds(out), "its ask is out already"
+    assert r.step(0.4) == [], "nothing without an event: no polling"
+    out = r.step(0.5, [core.Noticed("parent", 0b1)])  # held now: the rest, in fragments
+    assert fragments_of(out) == [(0, 40, 10)], "back on the fragments' boundaries"
+    assert fragments_of(r.step(0.6, [core.Landed(0, True)])) == [(0, 50, 25)]
+    r.step(0.6, [core.Landed(0, True)])
+    out = r.step(0.7, [core.Landed(0, True)])
+    assert relays(out) == [(0, 100)] and "Verify" in kinds(out)
+    assert kinds(r.step(0.8, [core.Checked(0, True)])) == ["Ask"] and r.state[0] == core.HELD
+
+
+def test_one_await_per_relay_covers_the_chunks_it_has_landed_only_part_of_read_or_not():
+    """Regression (traced on the testbed): a chunk that became ready on part of its bytes
+    while an Await was out was not in the next one, so its reader heard of the rest
+    only with the relay's next chunk, a whole fragment time later."""
+    r = core.Reader(0b11, fragments=2, size=lambda c: 100)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "parent", False, False), (1, "parent", False, False)])])
+    out = r.step(0.1, [core.Noticed("parent", 0, {0: 50, 1: 50})])  # chunk 1 ready, not started
+    assert fragments_of(out) == [(0, 0, 50)]
+    assert [(a.chunks, a.after) for a in out if isinstance(a, core.Await)] == [(0b11, {0: 50, 1: 50})]
+    out = r.step(0.2, [core.Noticed("parent", 0b1)])  # chunk 0 held: 1 is still only half there
+    assert [(a.chunks, a.after) for a in out if isinstance(a, core.Await)] == [(0b10, {1: 50})]
+
+
+def test_a_failed_fragment_tells_our_children_the_bytes_start_over_and_reports_the_chunk():
+    r = core.Reader(0b1, fragments=2, size=lambda c: 100, report_every=100)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "pub", True, False)], serial=True)])
+    r.step(0.1, [core.Landed(0, True)])
+    out = r.step(0.2, [core.Landed(0, False)])
+    assert relays(out) == [(0, 0)]
+    assert [a.failed for a in out if isinstance(a, core.Ask)] == [[(0, "pub")]]
+
+
+def test_a_corrupt_fragmented_chunk_resets_what_we_relayed():
+    r = core.Reader(0b1, fragments=2, size=lambda c: 100, report_every=100)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "pub", True, False)], serial=True)])
+    r.step(0.1, [core.Landed(0, True)])
+    r.step(0.2, [core.Landed(0, True)])
+    assert relays(r.step(0.3, [core.Checked(0, False)])) == [(0, 0)]
+
+
+def test_a_chunk_between_fragments_is_given_up_at_once_nothing_of_ours_runs():
+    r = core.Reader(0b1, fragments=2, size=lambda c: 100, wait_timeout=10.0, read_timeout=1.0)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "parent", False, False)])])
+    r.step(0.1, [core.Noticed("parent", 0, {0: 50})])
+    r.step(0.2, [core.Landed(0, True)])
+    assert 0 in r.stalled and r.wake_at == 10.2, "between fragments the wait's timeout, not the read's"
+    out = r.step(0.5, [core.Answer([(0, "other", True, False)])])  # the hub moved it
+    assert "Stop" not in kinds(out) and r.state[0] == core.WANTED
+    assert relays(out) == [(0, 0)]
+
+
+def test_a_fragment_may_take_its_share_of_the_read_timeout_so_a_slow_source_is_left_as_soon():
+    r = core.Reader(0b1, fragments=4, size=lambda c: 100, read_timeout=2.0)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "slow", True, False)], serial=True)])
+    assert r.wake_at == 0.5
+    assert kinds(r.step(0.6)) == ["Stop"] and r.state[0] == core.STOPPING
+
+
+def test_a_holders_window_and_tiles_and_deltas_stay_whole():
+    r = core.Reader(0b111, fragments=4, size=lambda c: 100, whole={2})
+    r.step(0.0)
+    out = r.step(0.0, [core.Answer([(0, "pub", True, False), (1, "p2", False, True), (2, "p3", False, False)])])
+    assert fragments_of(out) == [(0, 0, 0)], "a holder that had it, not serial: one read"
+    out = r.step(0.1, [core.Noticed("p2", 0b10), core.Noticed("p3", 0b100)])
+    assert sorted(fragments_of(out)) == [(1, 0, 0), (2, 0, 0)], "tiles and a delta's chunk are read whole"
+
+
 class ReaderMachine(RuleBasedStateMachine):
     """Random events against the core; the truth is which transfers really run."""
 
     def __init__(self):
         super().__init__()
-        self.r = core.Reader((1 << 6) - 1, window=3, per_source=2, read_timeout=5.0, wait_timeout=50.0)
+        self.r = core.Reader((1 << 6) - 1, window=3, per_source=2, read_timeout=5.0, wait_timeout=50.0,
+                             fragments=3, size=lambda c: 90)
         self.now = 0.0
         self.running: dict[int, str] = {}  # chunk -> source of a transfer that may still write it
+        self.got: dict[int, int] = {}  # chunk -> bytes landed in order (fragmented reads)
+        self.told: dict[int, int] = {}  # chunk -> bytes last relayed
         self.verifying: set[int] = set()
         self.reported: set[int] = set()
         self.asked = False
@@ -138,9 +248,23 @@ class ReaderMachine(RuleBasedStateMachine):
             if isinstance(a, core.Start):
                 assert a.chunk not in self.running, f"chunk {a.chunk} read twice at once (or under a stopping read)"
                 live = sum(1 for c in self.running if self.r.state[c] == core.READING)
-                assert live < (1 if self.r.serial else self.r.window), "a start beyond the window (one when serial)"
+                if not a.at:  # (a chunk's next fragment takes no new slot: it is the same chunk's read)
+                    assert live < (1 if self.r.serial else self.r.window), "a start beyond the window (one when serial)"
                 self.running[a.chunk] = a.source
+                if a.nbytes:
+                    assert a.at == self.got.get(a.chunk, 0), "fragments out of order, or a gap"
+                    self.got[a.chunk] = a.at + a.nbytes
+                else:
+                    self.got.pop(a.chunk, None)
+            elif isinstance(a, core.Relay):
+                assert a.nbytes == 0 or a.nbytes > self.told.get(a.chunk, 0), "relayed bytes went backwards"
+                assert a.nbytes == 0 or a.nbytes == self.got.get(a.chunk), "relayed bytes not landed here"
+                self.told[a.chunk] = a.nbytes
+                if not a.nbytes:
+                    self.got.pop(a.chunk, None)
             elif isinstance(a, core.Verify):
+                assert self.got.get(a.chunk, 90) == 90, "verified before every fragment landed"
+                self.got.pop(a.chunk, None)
                 self.verifying.add(a.chunk)
             elif isinstance(a, core.Ask):
                 assert not self.asked, "two asks in flight"
@@ -152,6 +276,8 @@ class ReaderMachine(RuleBasedStateMachine):
 
     def step(self, *events):
         self.apply(self.r.step(self.now, list(events)))
+        for c in [c for c in self.got if self.r.state[c] != core.READING]:
+            del self.got[c]  # (a read given up starts again from its first byte)
 
     @rule(data=st.data())
     def answer(self, data):
@@ -162,10 +288,11 @@ class ReaderMachine(RuleBasedStateMachine):
         reads = [(c, data.draw(st.sampled_from("pq")), data.draw(st.booleans()), False) for c in chunks]
         self.step(core.Answer(reads, serial=data.draw(st.booleans())))
 
-    @rule(source=st.sampled_from("pq"), mask=st.integers(0, 63))
-    def notice(self, source, mask):
+    @rule(source=st.sampled_from("pq"), mask=st.integers(0, 63),
+          landed=st.dictionaries(st.integers(0, 5), st.integers(1, 89), max_size=3))
+    def notice(self, source, mask, landed):
         if source in self.r.awaiting:
-            self.step(core.Noticed(source, mask))
+            self.step(core.Noticed(source, mask, {c: n for c, n in landed.items() if not mask >> c & 1}))
 
     @rule(data=st.data(), ok=st.booleans())
     def land(self, data, ok):
@@ -202,6 +329,10 @@ class ReaderMachine(RuleBasedStateMachine):
                 assert c not in self.running and c not in self.verifying
             if s == core.STOPPING:
                 assert c in self.running  # a given-up read counts as live until Stopped
+            if s == core.HELD:
+                assert self.told.get(c, 0) in (0, 90), "held with a partial relay told"
+        for c in self.r.stalled:
+            assert c not in self.running and self.r.state[c] == core.READING, "stalled yet a fragment runs"
         assert len([c for c in self.running if self.r.state[c] == core.READING]) <= self.r.window
 
 

@@ -25,16 +25,17 @@ def params(**hub) -> SimParams:
     return p.model_copy(update={"hub": p.hub.model_copy(update={"charge_cpu": False, "muster_s": 0.0, **hub})})
 
 
-def world(planner: str, n: int, p: SimParams | None = None, protocol: str = "schedule") -> World:
+def world(planner: str, n: int, p: SimParams | None = None, protocol: str = "schedule", fragments: int = 1) -> World:
     fetch = Fetch(plan_rtt_s=0.0, verify_s=0.0, verify_gbps=1e9, report_s=0.0, start_jitter_s=0.0, window=4,
-                  read_error_s=0.2, protocol=protocol)
+                  read_error_s=0.2, protocol=protocol, fragments=fragments)
     fabric = Fabric(gpus_per_node=1, nodes_per_rack=64, nic_gbps=GBPS, nvlink_gbps=100.0, rack_uplink_gbps=None,
                     wan_gbps=None)
     return World(p or params(), [n + 1], planner=planner, fetch=fetch, fabric=fabric, overhead_s=0.0, exact=True)
 
 
-def fan(planner: str, n: int, kill_at: float | None = None, leave: bool = False, protocol: str = "schedule"):
-    w = world(planner, n, protocol=protocol)
+def fan(planner: str, n: int, kill_at: float | None = None, leave: bool = False, protocol: str = "schedule",
+        fragments: int = 1):
+    w = world(planner, n, protocol=protocol, fragments=fragments)
     pub = w.endpoint("pub", 0, "trainer")
     readers = [w.endpoint(f"r{i}", i + 1, "rollout") for i in range(n)]
     sc.register(w, [pub, *readers])
@@ -95,6 +96,17 @@ def test_a_chain_pipelines_chunk_by_chunk():
     pump(1)
     loop.run()
     assert done[n][-1] == pytest.approx(S / B + (n - 1) * C / B, rel=1e-6)
+
+
+@pytest.mark.parametrize("fragments", [1, 4])
+def test_a_scheduled_chain_lags_a_relayed_fragment_per_hop(fragments):
+    """One trainer feeds one chain; each member relays what lands, a fragment at a time:
+    the tail ends S/B plus one fragment time per hop after the publish (a chunk time per
+    hop when chunks are relayed whole)."""
+    n = 4
+    _, t0, fetches = fan("ros", n, fragments=fragments)
+    tail = max(f.ended for f in fetches.values()) - t0
+    assert tail == pytest.approx(S / B + (n - 1) * C / fragments / B, rel=1e-6)
 
 
 def test_ros_relays_between_the_chain_and_the_star():
