@@ -237,7 +237,7 @@ def await_chunks(address: str, token: str, model: str, version: int, mask: int, 
 
 
 def await_fragments(address: str, token: str, model: str, version: int, mask: int, timeout: float,
-                 source: Optional[str], after: dict[int, int]) -> tuple[int, dict[int, int]]:
+                    source: Optional[str], after: dict[int, int]) -> tuple[int, dict[int, int]]:
     """``await_chunks`` that also ends when a chunk of ``after`` has more bytes landed at
     the holder than named there: (chunks held, {chunk: bytes landed} for chunks of
     ``mask`` not held)."""

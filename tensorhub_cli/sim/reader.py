@@ -4,12 +4,13 @@ sans I/O) driven by the simulator's events instead of sockets and engines.
 Protocol: ``Resolve``, then the core's actions carried out in simulated time: ``Ask``
 is a ``Plan`` with ``schedule`` to the real hub (its answer comes back as ``Answer``);
 ``Start`` is one flow of the chunk's bytes (or its fragment's) from the source's GPU to
-ours (``Landed`` when it ends; a dead source's read fails after ``read_error_s``); ``Verify`` queues the
+ours (``Landed`` when it ends; a dead source's read fails after ``read_error_s``);
+``Relay`` tells the world what landed (``World.relayed``); ``Verify`` queues the
 checksum on one of ``verifiers`` (``verify_s`` + bytes at ``verify_gbps``, after the
 delta's rebuild time when the world sent the chunk as a delta) and answers
 ``Checked``; ``Await`` asks the source for a notice: answered after half a round trip
 once the source holds one of the chunks (a publisher holds its shard), or, asked with
-``after``, has landed more of one (``Relay`` tells the world: ``World.relayed``), or
+``after``, has landed more of one, or
 ``AwaitFailed`` after ``read_error_s`` when the source is dead. Nothing polls: the core
 is stepped on each event, and on its ``wake_at`` (timeouts, the paced re-ask).
 """
