@@ -22,7 +22,8 @@ and sleeps on its condition, with no timeout and no CPU, while nothing is watche
 
 Predicted ends. A fetch's reads share their links alike, so the watcher learns the
 rate of the last ``SAMPLES`` transfers that ended (bytes, as ``watch`` is told them,
-over watched-to-noticed time) and predicts each transfer's end at the fastest of
+over the time from its watch to the last check that found it pending: never more than
+it took, so a prediction errs early and corrects itself) and predicts each transfer's end at the fastest of
 them (``expect``; an engine that cannot tell bytes gets the shortest duration). Until
 a transfer is ``LEAD`` of its ``expect`` old it is not checked (nothing should have
 ended; a quicker one is noticed late by at most that sleep); from then it is checked
@@ -70,7 +71,8 @@ class Watcher:
         self._first_s, self._max_s = first_s, max_s
         self._cond = threading.Condition()
         self._watched: dict[int, tuple[object, Over, float, int]] = {}  # key -> (transfer, callback, at, bytes)
-        self._took: collections.deque = collections.deque(maxlen=SAMPLES)  # (watched to noticed over, bytes)
+        self._took: collections.deque = collections.deque(maxlen=SAMPLES)  # (watched to last seen pending, bytes)
+        self._seen: dict[int, float] = {}  # key -> when a check last found it pending (watcher thread only)
         self._keys = itertools.count()
         self._fresh = False  # a watch came in since the last round: start the back-off again
         self._closed = False
@@ -118,14 +120,21 @@ class Watcher:
                 if self._fresh:
                     delay, self._fresh = self._first_s, False
                 batch = list(self._watched.items())
+            checked = time.monotonic()
             states = self._states([t for _, (t, *_) in batch]) if batch else []
             self.rounds += 1
             now = time.monotonic()
             over = [(key, fn, s) for (key, (_, fn, *_)), s in zip(batch, states) if s != "pending"]
-            self._took.extend((now - at, n) for (_, (_, _, at, n)), s in zip(batch, states) if s == "done")
+            # A transfer's time is taken as of the last check that found it pending, not the
+            # one that found it over: the short side, so a late notice never teaches the
+            # watcher to sleep longer (which would make the next notice later still).
+            self._took.extend((self._seen.pop(key, at) - at, n)
+                              for (key, (_, _, at, n)), s in zip(batch, states) if s == "done")
+            self._seen.update((key, checked) for (key, _), s in zip(batch, states) if s == "pending")
             with self._cond:
                 for key, _, _ in over:
                     del self._watched[key]
+                    self._seen.pop(key, None)
                 if last:
                     self.dropped = len(self._watched)
                     self._watched.clear()

@@ -234,6 +234,31 @@ def test_the_watcher_learns_the_rate_and_checks_a_transfer_only_near_its_predict
         watcher.close()
 
 
+def test_a_late_notice_does_not_teach_the_watcher_to_sleep_longer():
+    """Regression (a testbed fetch slowed to a crawl): after one slow transfer, faster
+    ones were each noticed at the slow one's predicted end and counted as that slow,
+    so the watcher never learned otherwise. A transfer's time now ends at the last
+    check that found it pending: the second is noticed late, the third on time."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    states: dict[int, str] = {}
+    watcher = Watcher(lambda ts: [states[t] for t in ts], max_s=4e-3)
+    try:
+        late = []
+        for i, took in enumerate([0.4, 0.01, 0.01, 0.01]):
+            states[i] = "pending"
+            calls = Calls()
+            watcher.watch(i, calls, nbytes=1_000_000)
+            time.sleep(took)
+            ended = time.monotonic()
+            states[i] = "done"
+            calls.wait()
+            late.append(time.monotonic() - ended)
+        assert max(late[2:]) < 0.1, f"noticed {late} s after each ended"
+    finally:
+        watcher.close()
+
+
 def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():
     """The fake agent (test_nixl_engine) checks the bookkeeping; this, the real NIXL. The
     holder's ``progress`` stands for its endpoint's service thread (where NIXL's progress
