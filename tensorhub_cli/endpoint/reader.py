@@ -1,7 +1,7 @@
 """The reader's algorithm, once, without I/O: one table of chunk states, driven by
-events, answering with actions. Whoever moves the bytes drives it: the simulator's
-reader (``sim/endpoint.py``) today; the real fetch is to follow (docs/design.md,
-"Schedules").
+events, answering with actions. Whoever moves the bytes drives it: the real fetch
+(``endpoint.scheduled``) and the simulator's reader (``sim/reader.py``), so the
+algorithm exists once (docs/design.md, "Schedules").
 
 Protocol. ``Reader(wanted, ...)`` then, whenever something happens, ``step(now,
 events)`` → actions, which the driver carries out and whose outcomes come back as
@@ -17,7 +17,7 @@ A chunk is in exactly one state:
 - ``READY``: its source holds it; ``Start`` once the window has room;
 - ``READING``: its transfer runs; ``Landed`` ends it (ok or not). A chunk a child may
   be waiting for (we head a chain, or read it from a relay) is read in ``fragments``
-  reads, one after another, from its first byte: each fragment that lands is told to our
+  reads, one after another, from its first byte (``endpoint.fragments``): each fragment that lands is told to our
   children (``Relay``: the bytes landed so far, unverified) so they read it while we
   read the next, and a relay's fragments are read as it tells us of them (``Noticed``'s
   ``landed``). Between fragments the chunk stays ``READING`` (``stalled`` when its
@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..hub.registry import bits
+from .fragments import Fragments
 
 WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING = (
     "wanted", "waiting", "ready", "reading", "verifying", "held", "passed", "stopping")
@@ -192,16 +193,10 @@ class Reader:
     # holder of a chunk lost): the one paced ask, backing off while answers add nothing.
     idle_s: float = 0.0
     ask_at: float = 0.0
-    # Fragments (``READING`` chunks read in fragments): bytes landed here; a fragment in flight;
-    # waiting on the source's next fragment; bytes the source has landed (READY/READING,
-    # absent: all of it); chunks whose landed bytes we told (until held).
-    got: dict[int, int] = field(default_factory=dict)
-    fragment: dict[int, int] = field(default_factory=dict)  # chunk -> the end of its fragment in flight
-    stalled: set[int] = field(default_factory=set)
-    avail: dict[int, int] = field(default_factory=dict)
-    relayed: set[int] = field(default_factory=set)
+    frag: Fragments = field(init=False)  # the fragment bookkeeping of READING chunks
 
     def __post_init__(self) -> None:
+        self.frag = Fragments(self.fragments, self.size, self.whole)
         self.report_every = self.report_every or batch(self.wanted.bit_count())
         self.by = {s: set() for s in (WANTED, WAITING, READY, READING, VERIFYING, HELD, PASSED, STOPPING)}
         for c in bits(self.wanted):
@@ -246,33 +241,33 @@ class Reader:
             out.append(Failed(ev.message))
         elif isinstance(ev, Noticed):
             self.awaiting.discard(ev.source)
+            avail = self.frag.avail
             for c in bits(ev.chunks):
                 if self.source.get(c) == ev.source and self.state[c] in (WAITING, READY, READING):
-                    self.avail.pop(c, None)
+                    avail.pop(c, None)
                     self._landing(c, now, out)
             for c, n in ev.landed.items():
                 st = self.state.get(c)
                 if self.source.get(c) != ev.source or n <= 0:
                     continue
                 # (READY or READING without ``avail``: the source holds it all already)
-                if st == WAITING or st in (READY, READING) and c in self.avail and n > self.avail[c]:
-                    self.avail[c] = n
+                if st == WAITING or st in (READY, READING) and c in avail and n > avail[c]:
+                    avail[c] = n
                     self._landing(c, now, out)
         elif isinstance(ev, AwaitFailed):
             self.awaiting.discard(ev.source)
-            for c in [c for c in (*self.by[WAITING], *self.stalled) if self.source[c] == ev.source]:
+            for c in [c for c in (*self.by[WAITING], *self.frag.stalled) if self.source[c] == ev.source]:
                 self._fail(c, now, out)
         elif isinstance(ev, Landed):
             c = ev.chunk
-            if self.state.get(c) != READING or c in self.stalled:
+            if self.state.get(c) != READING or c in self.frag.stalled:
                 return
             if not ev.ok:
                 self._fail(c, now, out)
-            elif c in self.fragment:
-                self.got[c] = self.fragment.pop(c)
-                self.relayed.add(c)
-                out.append(Relay(c, self.got[c]))
-                if self.got[c] >= self.size(c):
+            elif c in self.frag.fragment:
+                got = self.frag.landed(c)
+                out.append(Relay(c, got))
+                if got >= self.size(c):
                     self._set(c, VERIFYING, now)
                     out.append(Verify(c, self.source[c]))
                 else:
@@ -290,7 +285,7 @@ class Reader:
                 self.passed.append(ev.chunk)
             else:
                 self._set(ev.chunk, HELD, now)
-                self.relayed.discard(ev.chunk)  # (held supersedes the bytes told)
+                self.frag.relayed.discard(ev.chunk)  # (held supersedes the bytes told)
                 self.done.append(ev.chunk)
         elif isinstance(ev, Stopped):
             if self.state.get(ev.chunk) == STOPPING:
@@ -300,22 +295,16 @@ class Reader:
         """The source has more of ``c`` (``avail``: how much; absent: all of it)."""
         if self.state[c] == WAITING:
             self._set(c, READY, now)
-        elif c in self.stalled:
-            self.stalled.discard(c)
+        elif self.frag.resume(c):
             self._next_fragment(c, now, out)
 
     def _next_fragment(self, c: int, now: float, out: list) -> None:
-        """``c`` is read in fragments and has none in flight: start the next, or wait for
-        the source to land it."""
-        at, size = self.got.get(c, 0), self.size(c)
-        step = -(-size // self.fragments)  # (fragments end on multiples of it, however much the source had)
-        end = min(size, (at // step + 1) * step, self.avail.get(c, size))
+        """``c`` is read in fragments and has none in flight: start the next, or wait
+        (stalled) for the source to land it."""
         self.since[c] = now
-        if end <= at:
-            self.stalled.add(c)
-            return
-        self.fragment[c] = end
-        out.append(Start(c, self.source[c], False, at, end - at))
+        read = self.frag.next(c)
+        if read is not None:
+            out.append(Start(c, self.source[c], False, *read))
 
     def _answer(self, now: float, reads, out: list) -> None:
         listed = set()
@@ -328,8 +317,8 @@ class Reader:
             if st == READING:
                 if self.source[chunk] != source:  # the hub moved it: its source is gone
                     self._give_up(chunk, now, out)
-                elif ready and chunk in self.avail:  # the source holds all of it by now
-                    del self.avail[chunk]
+                elif ready and chunk in self.frag.avail:  # the source holds all of it by now
+                    del self.frag.avail[chunk]
                     self._landing(chunk, now, out)
                 continue
             if not ready:
@@ -342,7 +331,7 @@ class Reader:
             elif ready and st == WAITING:
                 self._set(chunk, READY, now)
             if ready:
-                self.avail.pop(chunk, None)
+                self.frag.avail.pop(chunk, None)
             # (READY stays READY when the hub says "not yet": the source's notice is
             # newer than the hub's view, which hears of chunks in batches)
         for chunk in [c for c in (*self.by[WAITING], *self.by[READY]) if c not in listed]:
@@ -350,21 +339,16 @@ class Reader:
 
     # --- what to do next ----------------------------------------------------------------
     def _timeouts(self, now: float, out: list) -> None:
-        for c in [c for c in self.by[READING] if now - self.since[c] > self._limit(c) and c not in self.stalled]:
+        stalled = self.frag.stalled
+        for c in [c for c in self.by[READING]
+                  if c not in stalled and now - self.since[c] > self.frag.limit(c, self.read_timeout)]:
             self._give_up(c, now, out)
-        for c in [c for c in (*self.by[WAITING], *self.stalled) if now - self.since[c] > self.wait_timeout]:
+        for c in [c for c in (*self.by[WAITING], *stalled) if now - self.since[c] > self.wait_timeout]:
             self._fail(c, now, out)  # its source fell behind: the hub re-parents it
-
-    def _limit(self, c: int) -> float:
-        """How long ``c``'s transfer may run: ``read_timeout``, a fragment its share of it
-        (a slow source is given up on after the same time for the chunk, however cut)."""
-        if c in self.fragment:
-            return self.read_timeout * (self.fragment[c] - self.got.get(c, 0)) / self.size(c)
-        return self.read_timeout
 
     def _give_up(self, c: int, now: float, out: list) -> None:
         """Stop reading ``c``: through ``STOPPING`` while a transfer may still write it."""
-        if c in self.stalled:  # between fragments: nothing of ours is running
+        if c in self.frag.stalled:  # between fragments: nothing of ours is running
             self._fail(c, now, out)
             return
         self._set(c, STOPPING, now)
@@ -391,24 +375,18 @@ class Reader:
             ready.remove(c)
             busy[self.source[c]] = busy.get(self.source[c], 0) + 1
             self._set(c, READING, now)
-            if self._fragmented(c):
-                self.got[c] = 0
+            if self.frag.applies(c, tiled=c in self.tiled, waited_for=self.serial or self.source[c] in self.relays):
+                self.frag.begin(c)
                 self._next_fragment(c, now, out)
             else:
                 out.append(Start(c, self.source[c], c in self.tiled))
-
-    def _fragmented(self, c: int) -> bool:
-        """Read ``c`` in fragments: a child may be waiting for it (we head a chain, or its
-        source relays it), or the source has only part of it yet."""
-        return (self.fragments > 1 and c not in self.tiled and c not in self.whole
-                and (self.serial or self.source[c] in self.relays or c in self.avail))
 
     def _await(self, out: list) -> None:
         want: dict[str, int] = {}
         # Also every chunk its source has landed only part of (``avail``), read or not:
         # the notice of more comes while our fragment runs, not a round trip after it
         # lands, and one Await per source must cover every chunk we may soon need of it.
-        for c in (*self.by[WAITING], *(c for c, n in self.avail.items() if n < self.size(c))):
+        for c in (*self.by[WAITING], *self.frag.partial()):
             s = self.source[c]
             if s not in self.awaiting:
                 want[s] = want.get(s, 0) | 1 << c
@@ -416,7 +394,7 @@ class Reader:
             self.awaiting.add(source)
             after = None
             if self.fragments > 1:
-                after = {c: self.avail.get(c, 0) for c in bits(chunks) if c not in self.whole}
+                after = {c: self.frag.avail.get(c, 0) for c in bits(chunks) if c not in self.whole}
             out.append(Await(source, chunks, after))
 
     def _report(self, now: float, out: list) -> None:
@@ -439,7 +417,8 @@ class Reader:
     def _wake(self) -> None:
         at = float("inf")
         for c in self.by[READING]:
-            at = min(at, self.since[c] + (self.wait_timeout if c in self.stalled else self._limit(c)))
+            at = min(at, self.since[c] + (self.wait_timeout if c in self.frag.stalled
+                                          else self.frag.limit(c, self.read_timeout)))
         for c in self.by[WAITING]:
             at = min(at, self.since[c] + self.wait_timeout)
         if self.by[WANTED] and not self.asked:
@@ -448,11 +427,9 @@ class Reader:
 
     def _set(self, chunk: int, st: str, now: float) -> None:
         if self.state[chunk] == READING:
-            self.got.pop(chunk, None)
-            self.fragment.pop(chunk, None)
-            self.stalled.discard(chunk)
+            self.frag.forget(chunk)
         if st not in (READY, READING):
-            self.avail.pop(chunk, None)
+            self.frag.avail.pop(chunk, None)
         self.by[self.state[chunk]].discard(chunk)
         self.state[chunk] = st
         self.by[st].add(chunk)
@@ -461,7 +438,7 @@ class Reader:
     def _fail(self, chunk: int, now: float, out: list) -> None:
         self.failed.append((chunk, self.source.get(chunk, "")))
         self._set(chunk, WANTED, now)
-        if chunk in self.relayed:  # its bytes here start over
-            self.relayed.discard(chunk)
+        if chunk in self.frag.relayed:  # its bytes here start over
+            self.frag.relayed.discard(chunk)
             out.append(Relay(chunk, 0))
 

@@ -137,7 +137,7 @@ class ScheduledFetch(Fetch):
         """Carry out one action; True once the fetch is done."""
         h = self.held
         if isinstance(a, core.Start):
-            self.stats["early_fragments"] += a.chunk in self.core.avail
+            self.stats["early_fragments"] += a.chunk in self.core.frag.avail
             self._begin(a.chunk, a.source, a.tiled, a.at, a.nbytes)
         elif isinstance(a, core.Relay):
             h.mark_landed(a.chunk, a.nbytes)
@@ -408,7 +408,7 @@ class ScheduledFetch(Fetch):
         failed += [p.Read(chunk=x, source=v.source) for x, v in self.verifying.items()]
         failed += self.failed
         if c:  # scheduled, not started (or between fragments): nothing of ours touches the source
-            for x in (*c.by[core.WAITING], *c.by[core.READY], *c.stalled):
+            for x in (*c.by[core.WAITING], *c.by[core.READY], *c.frag.stalled):
                 failed.append(p.Read(chunk=x, source=c.source[x]))
         if self.asked is not None:
             done += self.asked.chunks

@@ -154,7 +154,7 @@ def test_a_child_reads_a_relays_fragments_as_it_lands_them_and_verifies_the_whol
     out = r.step(0.2, [core.Landed(0, True)])
     assert fragments_of(out) == [(0, 25, 15)], "only what the parent has landed"
     out = r.step(0.3, [core.Landed(0, True)])
-    assert fragments_of(out) == [] and 0 in r.stalled and "Await" not in kinds(out), "its ask is out already"
+    assert fragments_of(out) == [] and 0 in r.frag.stalled and "Await" not in kinds(out), "its ask is out already"
     assert r.step(0.4) == [], "nothing without an event: no polling"
     out = r.step(0.5, [core.Noticed("parent", 0b1)])  # held now: the rest, in fragments
     assert fragments_of(out) == [(0, 40, 10)], "back on the fragments' boundaries"
@@ -204,7 +204,7 @@ def test_a_chunk_between_fragments_is_given_up_at_once_nothing_of_ours_runs():
     r.step(0.0, [core.Answer([(0, "parent", False, False)])])
     r.step(0.1, [core.Noticed("parent", 0, {0: 50})])
     r.step(0.2, [core.Landed(0, True)])
-    assert 0 in r.stalled and r.wake_at == 10.2, "between fragments the wait's timeout, not the read's"
+    assert 0 in r.frag.stalled and r.wake_at == 10.2, "between fragments the wait's timeout, not the read's"
     out = r.step(0.5, [core.Answer([(0, "other", True, False)])])  # the hub moved it
     assert "Stop" not in kinds(out) and r.state[0] == core.WANTED
     assert relays(out) == [(0, 0)]
@@ -331,7 +331,7 @@ class ReaderMachine(RuleBasedStateMachine):
                 assert c in self.running  # a given-up read counts as live until Stopped
             if s == core.HELD:
                 assert self.told.get(c, 0) in (0, 90), "held with a partial relay told"
-        for c in self.r.stalled:
+        for c in self.r.frag.stalled:
             assert c not in self.running and self.r.state[c] == core.READING, "stalled yet a fragment runs"
         assert len([c for c in self.running if self.r.state[c] == core.READING]) <= self.r.window
 
