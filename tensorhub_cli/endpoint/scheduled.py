@@ -15,8 +15,9 @@ the deadline): nothing here polls.
 - ``Verify``: the checksum on a verifier thread; its end is ``Checked``. A verified
   chunk is scattered, counted, and ``mark_held``: readers waiting on us hear of it.
 - ``Await``: ``wire.await_chunks`` on the source (a thread per source waited on), or
-  ``wire.await_fragments`` when the core reads fragments: its answer is ``Noticed``; a
-  refusal or a dead source, ``AwaitFailed``.
+  ``wire.await_fragments`` when the core reads fragments, on a connection kept per source
+  for the fetch (``wire.Kept``): its answer is ``Noticed``; a refusal or a dead source,
+  ``AwaitFailed``.
 - ``Relay``: ``Replica.mark_landed``: readers waiting on us for fragments of the chunk hear
   of the bytes landed.
 - Fragments: ``TH_RELAY_FRAGMENTS`` reads a chunk (``FRAGMENTS`` by default; 1: whole chunks
@@ -41,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -104,6 +106,8 @@ class ScheduledFetch(Fetch):
         hub = ThreadPoolExecutor(1, thread_name_prefix="th-plan")
         waits = ThreadPoolExecutor(8, thread_name_prefix="th-await")
         self._waits = waits
+        self._kept: dict[str, wire.Kept] | None = {}
+        self._kept_lock = threading.Lock()
         self._hub = hub
         events: list = []
         try:
@@ -129,6 +133,7 @@ class ScheduledFetch(Fetch):
         finally:
             waits.shutdown(wait=False, cancel_futures=True)
             hub.shutdown(wait=False, cancel_futures=True)
+            self._close_kept()
             if self.deltas is not None:  # (a read still running copies nothing once released)
                 self.deltas.close()
 
@@ -280,21 +285,51 @@ class ScheduledFetch(Fetch):
         source = self.sources.get(source_name)
         left = self.deadline - time.monotonic()
         landed: dict[int, int] = {}
+        kept = None
         try:
             if source is None:
                 raise wire.PeerError(f"no address for {source_name}")
-            args = (source.engine_meta.decode(), self.ep.token, self.held.model, self.held.version, chunks,
+            address = source.engine_meta.decode()
+            kept = self._take_kept(source_name, address)
+            args = (address, self.ep.token, self.held.model, self.held.version, chunks,
                     max(0.0, min(AWAIT_S, left)), self.ep.host)
             if after is None:
-                have = wire.await_chunks(*args)
+                have = wire.await_chunks(*args, kept=kept)
             else:
-                have, landed = wire.await_fragments(*args, after)
+                have, landed = wire.await_fragments(*args, after, kept=kept)
         except (wire.PeerError, OSError, ValueError) as exc:
+            if kept is not None:
+                kept.close()
             self._warn(source_name, f"waiting on {source_name} for chunks of {self.held.model}@"
                                     f"{self.held.version} failed: {exc}")
             self.q.put(("await_failed", source_name))
             return
+        self._put_kept(source_name, kept)
         self.q.put(("noticed", source_name, have, landed))
+
+    # One connection kept per source for its ``Await``s (the core has one out per source
+    # at a time, so a connection is never shared); closed when the fetch ends.
+    def _take_kept(self, source_name: str, address: str) -> wire.Kept:
+        with self._kept_lock:
+            kept = self._kept.pop(source_name, None)
+        if kept is not None and kept.address == address:
+            return kept
+        if kept is not None:  # (the source registered again elsewhere)
+            kept.close()
+        return wire.Kept(address, self.ep.host)
+
+    def _put_kept(self, source_name: str, kept: wire.Kept) -> None:
+        with self._kept_lock:
+            if self._kept is not None:
+                self._kept[source_name] = kept
+                return
+        kept.close()  # (the fetch ended while this wait ran)
+
+    def _close_kept(self) -> None:
+        with self._kept_lock:
+            kept, self._kept = self._kept, None
+        for k in kept.values():
+            k.close()
 
     # --- events -------------------------------------------------------------------------------
     def _event(self, item):

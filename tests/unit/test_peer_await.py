@@ -252,3 +252,70 @@ def test_an_after_naming_a_chunk_not_asked_is_refused_naming_it(rig):
     replicas[("m", 1)] = replica()
     with pytest.raises(wire.PeerError, match="after names a chunk not in chunks"):
         wire.await_fragments(server.address, TOKEN, "m", 1, 0b1, 5.0, None, {2: 0})
+
+
+def test_a_kept_connection_carries_one_await_after_another(rig):
+    """A reader's notices from one source ride one connection (``wire.Kept``), however
+    many waits it carries, refusals that leave the connection open included."""
+    server, replicas = rig
+    replicas[("m", 1)] = replica()
+    replicas[("m", 1)].mark_held([0, 2])
+    kept = wire.Kept(server.address)
+    try:
+        ends = set()
+        for mask, want in [(0b1, 0b1), (0b100, 0b100), (0b101, 0b101)]:
+            assert wire.await_chunks(server.address, TOKEN, "m", 1, mask, 5.0, kept=kept) == want
+            ends.add(kept._sock.getsockname())
+        with pytest.raises(wire.PeerError, match="not_found"):
+            wire.await_chunks(server.address, TOKEN, "m", 9, 0b1, 5.0, kept=kept)
+        assert wire.await_chunks(server.address, TOKEN, "m", 1, 0b10, 0.1, kept=kept) == 0
+        ends.add(kept._sock.getsockname())
+        assert len(ends) == 1, f"{len(ends)} connections for one kept one: {ends}"
+    finally:
+        kept.close()
+
+
+def test_a_kept_connection_the_holder_closed_while_idle_is_dialed_again():
+    replicas: dict = {("m", 1): replica()}
+    replicas[("m", 1)].mark_held([1])
+    server = PeerServer("127.0.0.1", TOKEN, lambda ask: wire.Refused(code="x", message=""), Regions(),
+                        replica=replicas.get, idle_s=0.1)
+    kept = wire.Kept(server.address)
+    try:
+        assert wire.await_chunks(server.address, TOKEN, "m", 1, 0b10, 5.0, kept=kept) == 0b10
+        time.sleep(0.5)  # the holder drops the idle connection
+        assert wire.await_chunks(server.address, TOKEN, "m", 1, 0b10, 5.0, kept=kept) == 0b10
+    finally:
+        kept.close()
+        server.close(timeout=5)
+
+
+def test_a_silent_holder_on_a_kept_connection_is_not_asked_twice(monkeypatch):
+    """A timeout is an answer (the holder is stuck), not a stale connection: the kept
+    connection that carried a wait before is not dialed again for it."""
+    import socket
+
+    monkeypatch.setattr(wire, "AWAIT_MARGIN_S", 0.2)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    kept = wire.Kept(address)
+    conns = []
+    try:
+        t, out = waiting(wire.await_chunks, address, TOKEN, "m", 1, 0b1, 0.1, kept=kept)
+        conns.append(listener.accept()[0])
+        conns[0].recv(1 << 16)  # (the ask: small, one segment on loopback)
+        conns[0].sendall(wire.frame(wire.Answer(body=wire.Have(chunks=wire.mask_bytes(0b1)))))
+        t.join(timeout=10)
+        assert out.get("value") == 0b1, out
+        t, out = waiting(wire.await_chunks, address, TOKEN, "m", 1, 0b1, 0.1, kept=kept)
+        t.join(timeout=10)  # asked on the kept connection, never answered
+        assert isinstance(out.get("error"), wire.PeerError) and "did not answer" in str(out["error"]), out
+        listener.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            conns.append(listener.accept()[0])
+    finally:
+        kept.close()
+        for c in conns:
+            c.close()
+        listener.close()
