@@ -12,11 +12,11 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   InfiniBand device (there UCX's IB module makes a process that created a backend die
   with SIGSEGV at exit); ``UCX_NET_DEVICES`` from the node's spec; a user's own
   ``UCX_*`` variables always win.
-- NIXL's UCX progress thread, event-driven (``nixl_progress``: the wrapper's default
-  makes it spin a full core; we give it a 10 ms poll timeout and it sleeps on the
-  worker's event descriptors), except on CUDA hosts or with
-  ``TH_NIXL_PROGRESS_THREAD=0``: there our endpoint calls ``progress`` from its service
-  thread, every millisecond while peers are reading us, every 10 ms otherwise.
+- Who progresses UCX: our endpoint's service thread calls ``progress``, every millisecond
+  while peers are reading us, every 10 ms otherwise; NIXL's own UCX progress thread,
+  event-driven, only with ``TH_NIXL_PROGRESS_THREAD=1`` (``nixl_progress``, which says
+  why it is not the default: the wrapper's default makes it spin a full core, so we give
+  it a 10 ms poll timeout and it sleeps on the worker's event descriptors).
 - The passive side must progress: without it a holder never answers the rendezvous
   and a READ stays pending forever, over shared memory and TCP alike.
 - Transports are left to UCX (between processes of one host it picks shared memory).
