@@ -84,13 +84,16 @@ def _round(pub: Driven, peers: list[Driven], site: Site, version: int, mib: floa
     before, cpu = site.sent("n1"), _cpu_seconds([pub, *peers])
     t0 = time.monotonic()
     for p in peers:
-        p.send("fetch", model="fan", version=version, window=window, timeout=TIMEOUT_S)
+        p.send("fetch", model="fan", version=version, window=window, timeout=TIMEOUT_S, check=False)
     results = [p.recv(TIMEOUT_S + 60) for p in peers]
     for p, res in zip(peers, results):
-        if res.get("error") or not res.get("equal"):
-            raise RuntimeError(f"{p.name}: version {version}: {res.get('error') or 'bytes differ'}")
+        if res.get("error"):
+            raise RuntimeError(f"{p.name}: version {version}: {res['error']}")
     took, sent = max(r["t_done"] for r in results) - t0, site.sent("n1") - before
     cpu = _cpu_seconds([pub, *peers]) - cpu  # (until every answer is in: a little past the last t_done)
+    for p in peers:  # (checked after the CPU is counted: rebuilding the payload is the bench's work)
+        if not p.ask("check", version=version, timeout=120).get("equal"):
+            raise RuntimeError(f"{p.name}: version {version}: bytes differ")
     for p in peers:
         p.ask("unpublish", model="fan", version=version, timeout=120)
     pub.ask("unpublish", model="fan", version=version, timeout=120)
