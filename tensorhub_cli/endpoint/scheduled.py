@@ -311,7 +311,7 @@ class ScheduledFetch(Fetch):
     # at a time, so a connection is never shared); closed when the fetch ends.
     def _take_kept(self, source_name: str, address: str) -> wire.Kept:
         with self._kept_lock:
-            kept = self._kept.pop(source_name, None)
+            kept = self._kept.pop(source_name, None) if self._kept is not None else None
         if kept is not None and kept.address == address:
             return kept
         if kept is not None:  # (the source registered again elsewhere)
