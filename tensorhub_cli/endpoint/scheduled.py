@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,8 +105,7 @@ class ScheduledFetch(Fetch):
         hub = ThreadPoolExecutor(1, thread_name_prefix="th-plan")
         waits = ThreadPoolExecutor(8, thread_name_prefix="th-await")
         self._waits = waits
-        self._kept: dict[str, wire.Kept] | None = {}
-        self._kept_lock = threading.Lock()
+        self._kept = wire.KeptByHolder(self.ep.host)  # (the core has one Await out per source)
         self._hub = hub
         events: list = []
         try:
@@ -133,7 +131,7 @@ class ScheduledFetch(Fetch):
         finally:
             waits.shutdown(wait=False, cancel_futures=True)
             hub.shutdown(wait=False, cancel_futures=True)
-            self._close_kept()
+            self._kept.close()
             if self.deltas is not None:  # (a read still running copies nothing once released)
                 self.deltas.close()
 
@@ -290,7 +288,7 @@ class ScheduledFetch(Fetch):
             if source is None:
                 raise wire.PeerError(f"no address for {source_name}")
             address = source.engine_meta.decode()
-            kept = self._take_kept(source_name, address)
+            kept = self._kept.take(source_name, address)
             args = (address, self.ep.token, self.held.model, self.held.version, chunks,
                     max(0.0, min(AWAIT_S, left)), self.ep.host)
             if after is None:
@@ -304,32 +302,8 @@ class ScheduledFetch(Fetch):
                                     f"{self.held.version} failed: {exc}")
             self.q.put(("await_failed", source_name))
             return
-        self._put_kept(source_name, kept)
+        self._kept.put(source_name, kept)
         self.q.put(("noticed", source_name, have, landed))
-
-    # One connection kept per source for its ``Await``s (the core has one out per source
-    # at a time, so a connection is never shared); closed when the fetch ends.
-    def _take_kept(self, source_name: str, address: str) -> wire.Kept:
-        with self._kept_lock:
-            kept = self._kept.pop(source_name, None) if self._kept is not None else None
-        if kept is not None and kept.address == address:
-            return kept
-        if kept is not None:  # (the source registered again elsewhere)
-            kept.close()
-        return wire.Kept(address, self.ep.host)
-
-    def _put_kept(self, source_name: str, kept: wire.Kept) -> None:
-        with self._kept_lock:
-            if self._kept is not None:
-                self._kept[source_name] = kept
-                return
-        kept.close()  # (the fetch ended while this wait ran)
-
-    def _close_kept(self) -> None:
-        with self._kept_lock:
-            kept, self._kept = self._kept, None
-        for k in kept.values():
-            k.close()
 
     # --- events -------------------------------------------------------------------------------
     def _event(self, item):

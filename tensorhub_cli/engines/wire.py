@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from typing import Optional, Union
 
 import msgspec
@@ -282,6 +283,40 @@ class Kept:
         if sock is not None:
             sock.close()
 
+
+
+class KeptByHolder:
+    """A ``Kept`` connection per holder name, for a caller that asks each holder one thing
+    at a time (the scheduled fetch's ``Await``s: one out per source). ``take`` hands one
+    out (kept, or new when none is kept or the holder's address changed), ``put`` keeps it
+    again, ``close`` closes those kept and any put after it. Thread-safe."""
+
+    def __init__(self, source: Optional[str] = None):
+        self._source = source
+        self._lock = threading.Lock()
+        self._kept: Optional[dict[str, Kept]] = {}
+
+    def take(self, name: str, address: str) -> Kept:
+        with self._lock:
+            kept = self._kept.pop(name, None) if self._kept is not None else None
+        if kept is not None and kept.address == address:
+            return kept
+        if kept is not None:  # (the holder registered again elsewhere)
+            kept.close()
+        return Kept(address, self._source)
+
+    def put(self, name: str, kept: Kept) -> None:
+        with self._lock:
+            if self._kept is not None:
+                self._kept[name] = kept
+                return
+        kept.close()  # (closed while this one was out)
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = self._kept or {}, None
+        for k in kept.values():
+            k.close()
 
 def _await(address: str, token: str, model: str, version: int, mask: int, timeout: float,
            source: Optional[str], after: Optional[dict[int, int]],

@@ -319,3 +319,19 @@ def test_a_silent_holder_on_a_kept_connection_is_not_asked_twice(monkeypatch):
         for c in conns:
             c.close()
         listener.close()
+
+
+def test_kept_by_holder_hands_each_holder_its_connection_and_closes_what_comes_back_late():
+    pool = wire.KeptByHolder()
+    a = pool.take("h1", "10.0.0.1:1")
+    pool.put("h1", a)
+    assert pool.take("h1", "10.0.0.1:1") is a, "a kept connection was not handed out again"
+    pool.put("h1", a)
+    b = pool.take("h1", "10.0.0.2:1")  # (the holder registered again elsewhere)
+    assert b is not a and b.address == "10.0.0.2:1"
+    closed = []
+    b.close = lambda: closed.append(b)
+    pool.close()
+    pool.put("h1", b)  # (a wait that was out when the fetch ended)
+    assert closed == [b], "a connection put back after close stayed open"
+    assert pool.take("h1", "10.0.0.2:1") is not b
