@@ -284,7 +284,6 @@ class Kept:
             sock.close()
 
 
-
 class KeptByHolder:
     """A ``Kept`` connection per holder name, for a caller that asks each holder one thing
     at a time (the scheduled fetch's ``Await``s: one out per source). ``take`` hands one
@@ -317,6 +316,7 @@ class KeptByHolder:
             kept, self._kept = self._kept or {}, None
         for k in kept.values():
             k.close()
+
 
 def _await(address: str, token: str, model: str, version: int, mask: int, timeout: float,
            source: Optional[str], after: Optional[dict[int, int]],
