@@ -51,8 +51,8 @@ class Peer:
 
     def fetch(self, model: str, version: int, window: int = 4, timeout: float = 300, check: bool = True) -> dict:
         """``check=False``: leave the bytes' check to ``check`` (a fan-out counts the
-        endpoints' CPU until every reader is done, and rebuilding the payload to compare
-        costs about as much as a reader's own copies)."""
+        endpoints' CPU until every reader is done; rebuilding the payload to compare it is
+        the bench's work, not the endpoint's)."""
         t0 = time.monotonic()
         got = self.ep.fetch(model, version, into=self.dst, window=window, timeout=timeout)
         t1 = time.monotonic()

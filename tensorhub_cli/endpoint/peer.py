@@ -6,9 +6,9 @@ replicas (``deltas.answer``, on the loop's executor), and ``Await`` from the
 replica ``replica((model, version))`` finds: it awaits ``Replica.await_held`` (woken by
 ``Replica.mark_held``, or ``mark_landed`` for an ask with ``after``; never polled) for
 at most the ask's ``timeout_s``, capped at ``await_cap_s`` (default ``AWAIT_CAP_S``, 30
-s, well inside ``idle_s``); a server built without ``replica`` refuses every ``Await`` as ``not_found``. A connection is
-closed after an ask refused for its frame or token (too large, malformed, auth; an
-answer that refuses what was asked, ``not_found`` or ``bad_request``, leaves it open);
+s, well inside ``idle_s``); a server built without ``replica`` refuses every ``Await``
+as ``not_found``. A connection is closed after an ask refused for its frame or token
+(too large, malformed, auth; an answer that refuses what was asked, ``not_found`` or ``bad_request``, leaves it open);
 an idle connection is closed after ``idle_s`` (default ``IDLE_S``, 300 s: readers' tcp
 engines drop their pooled connections well before, ``engines.tcp.IDLE_S``), and one
 whose reader stops receiving after ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``,
