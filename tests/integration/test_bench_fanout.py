@@ -62,6 +62,9 @@ def test_the_raw_stream_arm_moves_the_payload_and_says_when_it_did_not():
 
     raw = fanout._raw_stream(8 << 20, Site(None), "n2")  # loopback: what --testbed runs between nodes
     assert raw["cpu_s_per_gib"] == pytest.approx((raw["sender_cpu_s"] + raw["receiver_cpu_s"]) / (8 / 1024))
+    streams = raw["streams_cpu_s_per_gib"]  # the figure is the median stream's, not one stream's luck
+    assert len(streams) == fanout.RAW_STREAMS and streams == sorted(streams)
+    assert raw["cpu_s_per_gib"] == streams[len(streams) // 2]
     assert raw["seconds"] > 0
     # a sender that sends less than the receiver waits for: the row fails, naming why
     port = fanout.free_port()
