@@ -29,10 +29,11 @@ readers on the other nodes interleaved over both racks, and every row carries
 ``chain_bound_s`` = S/B + (N-1)·c/B, what a pipelined chain of chunks c reaches. Rows
 also carry the CPU seconds the endpoint processes spent (``ours_endpoint_cpu_s``) and
 that divided by this machine's cores (``ours_cpu_floor_s``): on a small machine hosting
-every node, CPU and not the links can be what bounds a fan-out. ``raw_socket`` is one
+every node, CPU and not the links can be what bounds a fan-out. ``raw_socket`` is a
 plain TCP stream of the payload from n1 to the first reader (``bench.rawsock``: one
-``sendall``, ``recv_into`` one buffer), and each row's ``ours_cpu_vs_raw_socket`` our
-processes' CPU per GiB received over that stream's (both ends) per GiB.
+``sendall``, ``recv_into`` one buffer), the median of ``RAW_STREAMS`` run one after
+another, and each row's ``ours_cpu_vs_raw_socket`` our processes' CPU per GiB received
+over that stream's (both ends) per GiB.
 Up to 15 readers (16 nodes): on the 2-core, 24 GiB machine this was built on, a
 16-node testbed comes up and its link checks hold (see ``MAX_TESTBED_READERS``).
 """
