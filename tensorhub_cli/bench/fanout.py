@@ -272,7 +272,7 @@ def _raw_stream(nbytes: int, site: Site, reader: str, streams: int = RAW_STREAMS
     """``streams`` TCP streams of the payload's size from n1 to ``reader``, one after
     another (``bench.rawsock``): the CPU both ends spend per GiB, the floor of what moving
     bytes costs here. One stream of 128 MiB costs about 0.1 CPU-s, which the kernel's
-    accounting resolves to within tens of percent (0.79 to 1.52 CPU-s per GiB in runs of
+    accounting resolves to within tens of percent (0.79 to 1.39 CPU-s per GiB in runs of
     one day), so the result is the stream of median CPU, with every stream's figure in
     ``streams_cpu_s_per_gib``."""
     runs = sorted((_one_stream(nbytes, site, reader) for _ in range(streams)), key=lambda r: r["cpu_s_per_gib"])
