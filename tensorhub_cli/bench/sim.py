@@ -53,8 +53,8 @@ def _detail(arm: dict, keys: tuple[str, ...]) -> dict:
     return {k: _r(arm[k]) if isinstance(arm[k], float) else arm[k] for k in keys if k in arm}
 
 
-_COMMON = ("version_s", "hub_cpu_s", "hub_busy_s", "hub_max_queue", "expired_alive", "silence_max_s",
-           "bytes_by_level", "from_trainer_bytes")
+_COMMON = ("version_s", "start_burst_s", "hub_cpu_s", "hub_busy_s", "hub_max_queue", "expired_alive",
+           "silence_max_s", "bytes_by_level", "from_trainer_bytes")
 
 
 def _arms(name: str, wall: dict, ours_run, base_run) -> tuple[dict, dict]:

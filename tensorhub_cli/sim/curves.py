@@ -50,8 +50,11 @@ def bound_s(params: SimParams, trainer: int, run: dict) -> float:
 def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
     """``th bench sim --scale``: ours, standalone, at each count of rollout GPUs, the
     trainer held at ``curves.trainer_gpus``. Per row: ``version_s``, ``bound_s``,
-    ``hub_cpu_s`` (the real hub's CPU for the version) and ``hub_busy`` (its busy share
-    of the version's time)."""
+    ``hub_cpu_s`` (the real hub's CPU for the version), ``hub_busy`` (its busy share
+    of the version's time) and ``start_burst_s`` (when the last reader had its first
+    plan answered: ``version_s`` is at least that plus the reader's own bytes at its
+    NIC's rate, so what the hub takes to answer every reader once is time the bound
+    does not count)."""
     t = params.curves.trainer_gpus
     # The schedule protocol: the design these rows judge (``fetch.protocol`` says what
     # the workloads and curves run).
@@ -64,6 +67,7 @@ def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
         b = bound_s(params, t, got)
         rows.append({"rollout_gpus": n, "trainer_gpus": t, "tp": got["tp"], "version_s": round(v, 4),
                      "bound_s": round(b, 4), "over_bound": round(v / b, 3) if b else None,
+                     "start_burst_s": round(got["start_burst_s"], 4),
                      "hub_cpu_s": round(got["hub_cpu_s"], 4), "hub_busy": round(got["hub_busy_s"] / v, 3) if v else 0.0,
                      "hub_calls": sum(got["hub_calls"].values()), "wall_s": round(time.perf_counter() - w0, 2)})
     first, last = rows[0], rows[-1]

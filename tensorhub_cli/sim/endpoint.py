@@ -127,6 +127,7 @@ class Fetch:
         self.sleeping = False
         self.finished = False
         self.started = ep.world.loop.now
+        self.planned_at: float | None = None  # the hub's first answer to our plans
         self.ended: float | None = None
         self.error: p.Error | None = None
         self.plans = 0
@@ -188,6 +189,8 @@ class Fetch:
         if isinstance(body, p.Error):
             return self._end(body)
         self.ep.heard_at = self.ep.world.loop.now
+        if self.planned_at is None:
+            self.planned_at = self.ep.heard_at
         if body.complete:
             return self._end(None)
         busy = len(self.inflight) + len(self.verifying)

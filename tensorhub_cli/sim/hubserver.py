@@ -26,10 +26,19 @@ request for decoding, encoding and the socket) also keeps the simulated core bus
 a hub that cannot keep up delays every reply, as it would: simulated time then depends
 a little on this machine's speed, and two runs agree only to that noise. With ``charge``
 off a run is a pure function of its inputs.
+
+The cyclic collector's full passes are not charged (``FullPasses``): one that starts
+inside a hub call walks the whole simulator's heap (flows, events, every endpoint's
+tables: millions of objects at thousands of readers), which a hub process, whose heap
+is its state alone, never walks; at 1,024 rollout GPUs they were a third of the hub's
+charged CPU (docs/design.md, "Schedules"). Young-generation passes stay charged: they
+walk the objects made since the last pass, as they would in a hub process, and fall
+on the hub's calls in proportion to what those calls allocate.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from typing import Callable
@@ -45,6 +54,29 @@ _OPS = {
     p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
     p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
 }
+
+
+class FullPasses:
+    """CPU seconds of the collector's full (oldest-generation) passes, counted while
+    installed: ``with FullPasses() as full: ...`` then ``full.cpu_s``."""
+
+    def __init__(self):
+        self.cpu_s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "FullPasses":
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._t0 = time.process_time()
+            else:
+                self.cpu_s += time.process_time() - self._t0
 
 
 class HubServer:
@@ -94,36 +126,17 @@ class HubServer:
         if op is None:  # (measured outside the hub's CPU)
             seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
             self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
-        t0 = time.process_time()
-        if op is None:
-            body = None
-            for name in self.hub.expire(now):
-                self.expired.append((now, name))
-            self.hub.settle(now)
-        elif op == _MUSTER:
-            body = None
-            self._muster_at = None
-            self.hub.muster(now)
-        elif isinstance(op, list):  # one beat period's heartbeats, served back to back
-            body = None
-            for beat in op:
-                try:
-                    self.hub.heartbeat(now, beat)
-                except HubFault:
-                    pass  # (expired meanwhile: a real endpoint would re-register)
-        else:
-            try:
-                body = _OPS[type(op)](self.hub, now, op)
-            except HubFault as fault:
-                body = fault.as_error()
-        if body is None and isinstance(op, p.Plan):  # parked in its swarm's muster
-            self._parked.setdefault(muster_key(op), []).append(reply)
-            reply = None
-        answers = []  # (acks and commands: no simulated endpoint waits on them)
-        for event in self.hub.take_outbound():
-            if isinstance(event, Answered):
-                answers += [(r, event.body) for r in self._parked.pop(event.key, [])]
-        cpu = time.process_time() - t0
+        with FullPasses() as full:
+            t0 = time.process_time()
+            body = self._apply(op, now)
+            if body is None and isinstance(op, p.Plan):  # parked in its swarm's muster
+                self._parked.setdefault(muster_key(op), []).append(reply)
+                reply = None
+            answers = []  # (acks and commands: no simulated endpoint waits on them)
+            for event in self.hub.take_outbound():
+                if isinstance(event, Answered):
+                    answers += [(r, event.body) for r in self._parked.pop(event.key, [])]
+            cpu = time.process_time() - t0 - full.cpu_s
         self.cpu[kind] = self.cpu.get(kind, 0.0) + cpu
         n = len(op) if isinstance(op, list) else 1
         self.calls[kind] = self.calls.get(kind, 0) + n
@@ -135,6 +148,29 @@ class HubServer:
         if due is not None and (self._muster_at is None or due < self._muster_at):
             self._muster_at = due
             self.loop.at(max(due, now), self._arrive_urgent, _MUSTER)
+
+    def _apply(self, op, now: float):
+        """One queue entry on the real hub; the reply's body (None: none, or parked)."""
+        if op is None:
+            for name in self.hub.expire(now):
+                self.expired.append((now, name))
+            self.hub.settle(now)
+            return None
+        if op == _MUSTER:
+            self._muster_at = None
+            self.hub.muster(now)
+            return None
+        if isinstance(op, list):  # one beat period's heartbeats, served back to back
+            for beat in op:
+                try:
+                    self.hub.heartbeat(now, beat)
+                except HubFault:
+                    pass  # (expired meanwhile: a real endpoint would re-register)
+            return None
+        try:
+            return _OPS[type(op)](self.hub, now, op)
+        except HubFault as fault:
+            return fault.as_error()
 
     def beats(self, ops: list[p.Heartbeat]) -> None:
         """Heartbeats of many endpoints sent at once: one queue entry, each beat still a

@@ -29,6 +29,7 @@ class ScheduledFetch:
         self.on_done, self.on_error = on_done, on_error
         self.finished = False
         self.started = self.world.loop.now
+        self.planned_at: float | None = None  # the hub's first answer to our plans
         self.ended: float | None = None
         self.error: p.Error | None = None
         self.plans = 0
@@ -133,6 +134,8 @@ class ScheduledFetch:
         if isinstance(body, p.Error):
             return self._end(body)
         self.ep.heard_at = self.world.loop.now
+        if self.planned_at is None:
+            self.planned_at = self.ep.heard_at
         reads = body.listed()
         # (a delta is read whole, as the real reader reads a read the hub gave a base)
         self.core.whole.update(r.chunk for r in reads if self.world.sends_delta(r.source, self, r.chunk))

@@ -28,8 +28,9 @@ where too few rollout GPUs make the instances a workload needs, tp is smaller
   crossing reads move deltas against v1 (``World``, "Deltas"); the hub plans as ever.
 
 Each returns plain numbers: the time until every reader holds the version
-(``version_s``), stalls, the hub's CPU in the real state machine during the version
-(``hub_cpu_s``, per op kind in ``hub_cpu``), and its byte counters by level.
+(``version_s``), when the last reader had its first plan answered (``start_burst_s``),
+stalls, the hub's CPU in the real state machine during the version (``hub_cpu_s``, per
+op kind in ``hub_cpu``), and its byte counters by level.
 """
 
 from __future__ import annotations
@@ -127,9 +128,13 @@ def _summary(world: World, fetches, t0: float, mark: tuple) -> dict:
     """The version's figures; the hub's CPU, busy time and calls are those after ``mark``
     (taken as the version's fetch began: registration and publishing left out)."""
     ends = [f.ended for f in fetches.values()]
+    planned = [f.planned_at for f in fetches.values() if f.planned_at is not None]
     cpu, busy, calls = world.hub.since(mark)
     return {
         "version_s": max(ends) - t0,
+        # when the last reader heard its first plan: no reader can end before that plus
+        # its own bytes at its NIC's rate, so a hub slow through the start burst shows here
+        "start_burst_s": max(planned, default=t0) - t0,
         "hub_cpu_s": cpu,
         "hub_cpu_total_s": world.hub.cpu_s,  # setup included: the wall time the real hub took
         "hub_cpu": {k: round(v, 4) for k, v in sorted(world.hub.cpu.items())},

@@ -73,3 +73,23 @@ def test_chunk_mib_sets_the_chunk_of_the_cluster_scale_runs(small, tmp_path):
     assert halves["workloads"]["standalone"]["ours_stall_s"] > 0
     with pytest.raises(ValueError, match="chunk_mib must be > 0"):
         sim.run(params_file=small, measurements=measured, chunk_mib=0)
+
+
+def test_scale_rows_time_the_start_burst_the_version_waits_on(small):
+    """``start_burst_s``: when the last reader had its first plan answered. Every
+    reader's resolve and first plan are served, one at a time, before then, so a hub
+    charged 10 ms a request takes at least 2 x 16 x 10 ms; the version ends after it."""
+    from tensorhub_cli.sim import curves
+    from tensorhub_cli.sim.params import load
+
+    p = load(small)
+    rows = {}
+    for overhead in (0.0, 0.01):
+        hub = p.hub.model_copy(update={"charge_cpu": True, "cpu_scale": 1e-9, "request_overhead_s": overhead})
+        rows[overhead] = curves.scale(p.model_copy(update={"hub": hub}), gpus=[16])["rows"][0]
+    free, charged = rows[0.0], rows[0.01]
+    assert charged["start_burst_s"] >= 2 * 16 * 0.01
+    assert 0 < free["start_burst_s"] < charged["start_burst_s"] / 2
+    for row in (free, charged):
+        assert row["start_burst_s"] < row["version_s"]
+    assert charged["version_s"] - free["version_s"] >= 0.5 * (charged["start_burst_s"] - free["start_burst_s"])
