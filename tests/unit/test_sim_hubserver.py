@@ -38,7 +38,7 @@ def test_a_full_pass_over_the_simulators_heap_is_not_charged_to_the_hub(monkeypa
     srv.call(p.Register(info=info("a")), None)
     loop.run(until=1.0)
     assert "a" in srv.hub.endpoints and len(heap) == 1_000_000
-    assert full_s > 0.02  # (the pass is long enough to tell apart from the register itself)
+    assert full_s > 0.005  # (the pass is long enough to tell apart from the register itself, ~50 µs)
     assert 0 <= srv.cpu["register"] < full_s / 4  # charged the pass, it would be about full_s
     assert srv.busy_s == pytest.approx(srv.cpu["register"])
 
