@@ -30,10 +30,11 @@ off a run is a pure function of its inputs.
 The cyclic collector's full passes are not charged (``FullPasses``): one that starts
 inside a hub call walks the whole simulator's heap (flows, events, every endpoint's
 tables: millions of objects at thousands of readers), which a hub process, whose heap
-is its state alone, never walks; at 1,024 rollout GPUs they were a third of the hub's
-charged CPU (docs/design.md, "Schedules"). Young-generation passes stay charged: they
-walk the objects made since the last pass, as they would in a hub process, and fall
-on the hub's calls in proportion to what those calls allocate.
+is its state alone, never walks. (At 1,024 rollout GPUs the collector's passes inside
+hub calls, one of them full, were a third of the hub's charged CPU: docs/design.md,
+"Schedules".) Young-generation passes stay charged: they walk the objects made since
+the last pass, as they would in a hub process, and fall on the hub's calls in
+proportion to what those calls allocate.
 """
 
 from __future__ import annotations

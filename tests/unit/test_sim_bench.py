@@ -5,6 +5,8 @@ import json
 import pytest
 
 from tensorhub_cli.bench import sim
+from tensorhub_cli.sim import curves
+from tensorhub_cli.sim.params import load
 
 SMALL = """
 cluster: {gpus: 32, gpus_per_node: 4, nodes_per_rack: 2}
@@ -79,9 +81,6 @@ def test_scale_rows_time_the_start_burst_the_version_waits_on(small):
     """``start_burst_s``: when the last reader had its first plan answered. Every
     reader's resolve and first plan are served, one at a time, before then, so a hub
     charged 10 ms a request takes at least 2 x 16 x 10 ms; the version ends after it."""
-    from tensorhub_cli.sim import curves
-    from tensorhub_cli.sim.params import load
-
     p = load(small)
     rows = {}
     for overhead in (0.0, 0.01):
