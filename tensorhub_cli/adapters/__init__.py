@@ -12,6 +12,8 @@ Protocol. One module per stack, each speaking that stack's own interface:
 - ``sglang``: ``load`` for SGLang's ``update_weights_from_tensor(load_format=...)``,
   allowed by ``--custom-weight-loader tensorhub_cli.adapters.sglang.load``; each TP
   rank reads its shard where ``layout.sglang_map`` maps the model.
+- ``agree``: one resolution for a TP instance's ranks (rank 0 resolves, the engine's
+  own group broadcasts it), which ``vllm`` and ``sglang`` use.
 - ``hf``: publish and fetch a ``transformers`` model by its HF names; read sharded
   checkpoint directories (``th publish --from HF_DIR``).
 """

@@ -22,11 +22,13 @@ Protocol of ``load(model, named_tensors)``:
    entry ``("tensorhub.version", 0-d integer tensor)`` naming the version to load;
    without it, ``TH_VERSION`` (an int or ``latest``, the default). Any other entry is a
    ``BadArgument`` naming it, before anything is fetched: weights from two sources in
-   one update would be ambiguous. ``latest`` in a TP instance: rank 0 asks the hub for
-   the newest READY version and broadcasts it over SGLang's TP group (its
+   one update would be ambiguous. In a TP instance rank 0 resolves the version
+   (``latest``: the newest READY one) for every rank (``Endpoint.resolve``) and
+   broadcasts the resolution over SGLang's TP group (its
    ``GroupCoordinator.broadcast_object``), so every rank loads one version (contract 2)
    without the hub's group round, which a shard reader never completes (it never
-   holds every chunk). Outside an SGLang TP group the endpoint's group resolves it.
+   holds every chunk), and the hub answers one resolve per instance. Outside an SGLang
+   TP group the endpoint's group resolves it.
 2. The endpoint: one per process (each TP rank is one), connected at the first load
    from the environment the server was started with, closed at exit:
    ``TH_CLUSTER`` + ``TH_NODE`` (a cluster `th up` started), or ``TH_HUB`` +
@@ -81,6 +83,7 @@ import threading
 from typing import Iterable, Optional
 
 from ..errors import BadArgument, LayoutError
+from .agree import agree
 
 log = logging.getLogger(__name__)
 
@@ -161,21 +164,13 @@ def _tp_group():
     return group if getattr(group, "world_size", 1) > 1 else None
 
 
-def _agree(ep, model_name: str, version: int | str, group) -> int | str:
-    """``latest`` → one number for every rank of ``group`` (rank 0's newest READY
-    version, broadcast); ``latest`` still when none is READY yet (each rank then waits
-    for one). A number stays as it is."""
-    if version != "latest" or group is None:
+def _agree(ep, model_name: str, version: int | str, group):
+    """Rank 0's resolution of ``version`` for every rank of ``group`` (``agree``);
+    ``version`` as it was where rank 0 had none to give, and outside a TP group."""
+    if group is None:
         return version
-    number = None
-    if group.rank_in_group == 0:
-        try:
-            ready = [v.version for v in ep.versions(model_name) if v.state == "READY"]
-            number = max(ready) if ready else None
-        except Exception as exc:  # (a failed lookup must not leave the other ranks in the broadcast)
-            log.warning("tensorhub: %s: no READY version of %s to agree on: %s", ep.name, model_name, exc)
-    number = group.broadcast_object(number, src=0)
-    return "latest" if number is None else number
+    resolved = agree(ep, model_name, version, group)
+    return version if resolved is None else resolved
 
 
 def _choose(model, tensors: dict) -> None:

@@ -19,9 +19,11 @@ Protocol (vLLM's ``WeightTransferEngine`` lifecycle, driven by ``LLM`` or the RL
   the checkpoint the engine started from (its safetensors headers). Where it maps
   (the *shard* path, ``vllm_shadow``):
 
-  - ``start_weight_update`` starts a thread that fetches ``latest`` (with the group)
-    into a fresh *shadow* of this worker's raw parameters: it reads only the boxes
-    they hold (contract 9), while the engine goes on generating;
+  - ``start_weight_update`` starts a thread that fetches ``latest`` (with several
+    workers: the newest READY version, which rank 0 resolves for all of them and
+    broadcasts over vLLM's group, so the hub answers one resolve per engine) into a
+    fresh *shadow* of this worker's raw parameters: it reads only the boxes they hold
+    (contract 9), while the engine goes on generating;
   - ``update_weights({"version": V})`` (an int or ``"latest"``; ``"timeout"`` seconds,
     default 120; ``"wait": False`` to fail at once on a version that is not READY)
     takes that shadow when it is V (``latest``: the one the prefetch resolved), else
@@ -67,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from .agree import agree
 from .vllm_info import FETCH_TIMEOUT_S, InitInfo, UpdateInfo
 from .vllm_report import expose_metrics, summary, vlog
 from .vllm_whole import CLOSE_DRAIN_S, QuietBufferOnly, Whole, staging_for
@@ -214,25 +217,16 @@ def _engine_class():
 
         def _agree_latest(self):
             """The version every worker of this engine reads (contract 2): ``latest``
-            alone; with several, the newest READY one rank 0 sees, broadcast over vLLM's
-            own group (on the worker's thread: no collective beside the model's). Not
-            the hub's group round: a worker reading its shard never holds every chunk,
-            which is how the hub tells a round is done, so a round would stay open
-            (``round_timeout_s``) and ``latest`` stale. None: no READY version yet."""
+            alone; with several, rank 0's resolution of the newest READY one, shared
+            over vLLM's own group (``agree``; on the worker's thread: no collective
+            beside the model's). None: no READY version yet."""
             pc = self.parallel_config
             if pc.world_size == 1:
                 return "latest"
             from vllm.distributed import get_tp_group, get_world_group
 
             group = get_tp_group() if pc.pipeline_parallel_size == 1 else get_world_group()
-            number = None
-            if group.rank_in_group == 0:
-                try:
-                    ready = [v.version for v in self.endpoint.versions(self.model_name) if v.state == "READY"]
-                    number = max(ready) if ready else None
-                except Exception as exc:  # (the pause fetches what it is asked for)
-                    log.info("tensorhub: %s: no version to read ahead: %s", self.endpoint.name, exc)
-            return group.broadcast_object(number, src=0)
+            return agree(self.endpoint, self.model_name, "latest", group)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             if self.endpoint is None:

@@ -7,8 +7,8 @@ the prefetch it starts):
 - ``Shadows(endpoint, model_name, model, device, emap)``: ``emap`` from
   ``layout.vllm_map.derive``.
 - ``prefetch(version)``: a thread fetches ``version`` (``latest`` for a lone worker;
-  the number its engine's workers agreed on otherwise, contract 2: ``adapters.vllm``;
-  not waiting for one to turn READY) into
+  otherwise the resolution rank 0 made and its engine's workers share, contract 2:
+  ``adapters.vllm``; not waiting for one to turn READY) into
   a fresh shadow: ``emap.targets``, so the worker reads only the boxes its parameters
   hold (contract 9). Generation goes on meanwhile: nothing of the model is touched.
   Before it reads, it lets go (unpublish, with its drain) of any shadow other than
@@ -93,7 +93,7 @@ class Shadows:
             started = time.monotonic()
             try:
                 self._drop_spares()
-                self._result = {**self._fetch(version, timeout, wait=False), "error": None, "asked": version}
+                self._result = {**self._fetch(version, timeout, wait=False), "error": None}
             except Exception as exc:  # (the pause fetches what it is asked for; say why here)
                 self._result = {"version": None, "error": exc}
             fetched = time.monotonic()

@@ -9,6 +9,7 @@ import math
 from typing import Callable, NamedTuple, Optional
 
 from ..errors import BadArgument
+from ..hub import protocol as p
 from ..names import check_model
 
 
@@ -73,9 +74,23 @@ def group(value: object) -> Optional[str]:
     raise BadArgument(f"group takes a non-empty str or None, not {value!r}")
 
 
+def resolution(value: object, model_: str, what: str = "version") -> Optional[p.Resolved]:
+    """A version another member resolved (``Endpoint.resolve``) for ``model_``, or None
+    where ``value`` names a version instead."""
+    if not isinstance(value, p.Resolved):
+        return None
+    if value.model != model_:
+        raise BadArgument(f"{what} is a resolution of {value.model}@{value.version}, not of {model_!r}")
+    if not value.shards:
+        raise BadArgument(f"{what} is a resolution of {value.model}@{value.version} without its manifests; "
+                          "pass one Endpoint.resolve returned")
+    return value
+
+
 class FetchArgs(NamedTuple):
     model: str
     number: Optional[int]  # None: latest
+    resolved: Optional[p.Resolved]  # a resolution passed as the version: no resolve of ours
     into: dict | Callable
     group: Optional[str]
     timeout: float
@@ -88,7 +103,10 @@ class FetchArgs(NamedTuple):
 def fetch_args(model_: object, version_: object, into_: object, group_: object, timeout: object, window: object,
                read_timeout: object, plan_timeout: object, resolve_timeout: object) -> FetchArgs:
     """``Endpoint.fetch``'s arguments (a collective fetch's too), each checked."""
-    return FetchArgs(model(model_), version(version_, latest=True), into(into_), group(group_),
+    name = model(model_)
+    resolved = resolution(version_, name)
+    number = resolved.version if resolved is not None else version(version_, latest=True)
+    return FetchArgs(name, number, resolved, into(into_), group(group_),
                      seconds(timeout, "timeout"), count(window, "window"),
                      optional_seconds(read_timeout, "read_timeout"), optional_seconds(plan_timeout, "plan_timeout"),
                      seconds(resolve_timeout, "resolve_timeout"))

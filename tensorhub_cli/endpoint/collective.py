@@ -147,7 +147,7 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
           gather_bytes: int = GATHER_BYTES) -> int:
     """``Endpoint.fetch(..., collective=pg)``: the arguments are ``Endpoint.fetch``'s."""
     ep.check_open()
-    model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
+    model, number, given, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
         checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout)
     gather_bytes = checks.count(gather_bytes, "gather_bytes")
     pg = coll.check_group(pg)
@@ -160,7 +160,7 @@ def fetch(ep, pg, model: str, version: int | str = "latest", *, into, group: Opt
     comm = coll.Collective(pg, deadline=deadline, timeout=timeout, what=what, device=_control_device(pg, into))
     me = Member(ep, comm)
     try:
-        resolved = _stage(me, "resolve", lambda: waiting.resolve(
+        resolved = _stage(me, "resolve", lambda: given or waiting.resolve(
             ep.call, p.Resolve(name=ep.name, model=model, version=number, group=group), deadline=deadline,
             each=min(resolve_timeout, timeout), wait=bool(wait), timeout=timeout))
         number = me.votes[0][1]  # rank 0's version is everyone's

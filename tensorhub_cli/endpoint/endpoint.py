@@ -16,6 +16,15 @@ Protocol (per method, what the caller may do once it returns):
   ``group`` defaults to the endpoint's own (contract 2, whoever calls). On
   ``FetchError`` (or ``LayoutError`` before any byte moved) the endpoint holds no
   replica in ``into``; its contents are undefined, and it is the caller's again.
+- ``resolve(model, version|"latest", group=..., timeout=..., wait=True)`` → the
+  version's resolution (``hub.protocol.Resolved``: number, manifests), as a fetch's
+  first step does it; it pins nothing. Passed to ``fetch`` as the version (here or
+  in another member's process: it pickles), that fetch asks the hub nothing to name
+  it, so the members of a model-parallel group resolve once between them (the vLLM
+  and SGLang adapters' TP ranks do: ``adapters.agree``). Its manifests are trusted as
+  the hub's answer (their checksums verify every chunk), so pass only one a process of
+  your own engine made. A resolution of another model, or one without manifests, is
+  ``BadArgument``; one whose version was withdrawn since fails at the fetch's plan.
 - ``unpublish(model, version)``: returns once the hub acknowledged the drain: no read
   of that memory is in flight, and any retention copy it called for exists. The caller
   owns the memory again.
@@ -242,10 +251,23 @@ class Endpoint:
         return publishing.publish(self, model, version, state_dict, shard, chunk_bytes=chunk_bytes,
                                   timeout=timeout, ready=ready)
 
-    def fetch(self, model: str, version: int | str = "latest", *, into: dict | Callable, group: Optional[str] = None,
+    def resolve(self, model: str, version: int | str = "latest", *, group: Optional[str] = None,
+                timeout: float = 10.0, wait: bool = True) -> p.Resolved:
+        """The version ``fetch`` would read (``group`` defaults to the endpoint's own, as
+        there), with its manifests; ``timeout`` bounds the wait for a version not READY
+        yet (``wait``) and each round trip. See the module."""
+        self.check_open()
+        model, number = checks.model(model), checks.version(version, latest=True)
+        group, timeout = checks.group(self.info.group if group is None else group), checks.seconds(timeout, "timeout")
+        return fetching.resolve(self, model, number, group=group, deadline=time.monotonic() + timeout,
+                                each=min(self.call_timeout_s, timeout), wait=wait, timeout=timeout)
+
+    def fetch(self, model: str, version: int | str | p.Resolved = "latest", *, into: dict | Callable,
+              group: Optional[str] = None,
               timeout: float = 60.0, wait: bool = True, window: int = 4, read_timeout: Optional[float] = None,
               plan_timeout: Optional[float] = None, resolve_timeout: float = 10.0, collective=None) -> int:
-        """``timeout``: the whole fetch, waiting for the version included; ``wait``:
+        """``version``: a number, ``"latest"``, or a resolution (``resolve``: not resolved
+        again); ``timeout``: the whole fetch, waiting for the version included; ``wait``:
         wait for a version not READY yet (False: ``VersionNotFound`` at once; see
         ``waiting``); ``read_timeout``/``plan_timeout``: one chunk read / plan round
         trip (None: the endpoint's ``read_timeout_s``/``plan_timeout_s``);

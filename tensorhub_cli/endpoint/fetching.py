@@ -3,9 +3,11 @@ destination, run ``Fetch``, and on failure leave nothing behind (``Endpoint.fetc
 
 Protocol of ``fetch(ep, model, version, into=..., ...)`` (the caller's thread):
 
-1. Resolve the version at the hub (``waiting``; with the endpoint's group unless the
-   caller names another: contract 2), naming the versions we hold whole, so that one of
-   those comes back without its manifests (``Resolve.known``).
+1. Resolve the version at the hub (``resolve``, through ``waiting``; with the endpoint's
+   group unless the caller names another: contract 2), naming the versions we hold
+   whole, so that one of those comes back without its manifests (``Resolve.known``).
+   A version passed as a resolution (``Endpoint.resolve``'s answer, in this process or
+   another member's: an engine's workers share one) is not resolved again.
 2. *Claim* it (``Replicas.claim``): one fetch of a version at a time between "is it held?" and
    holding it. A fetch of a version another thread of this endpoint is filling waits
    for that one and takes its outcome: a complete replica in this memory returns at
@@ -42,26 +44,17 @@ from .replica import Replica
 log = logging.getLogger("tensorhub.endpoint")
 
 
-def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: Optional[str], timeout: float,
-          wait: bool, window: int, read_timeout: Optional[float], plan_timeout: Optional[float],
+def fetch(ep, model: str, version: int | str | p.Resolved, *, into: dict | Callable, group: Optional[str],
+          timeout: float, wait: bool, window: int, read_timeout: Optional[float], plan_timeout: Optional[float],
           resolve_timeout: float) -> int:
     """``Endpoint.fetch`` without a collective stage; see the module."""
-    model, number, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
+    model, number, given, into, group, timeout, window, read_timeout, plan_timeout, resolve_timeout = \
         checks.fetch_args(model, version, into, group, timeout, window, read_timeout, plan_timeout,
                           resolve_timeout)
     started = time.monotonic()
     deadline = started + timeout
-    def ask(known: dict[int, int]) -> p.Resolved:
-        return waiting.resolve(ep.call, p.Resolve(name=ep.name, model=model, version=number, group=group,
-                                                  known=known),
-                               deadline=deadline, each=min(resolve_timeout, timeout), wait=bool(wait),
-                               timeout=timeout)
-
-    holding = {h.version: h for h in ep.replicas.all() if h.model == model and h.rank < 0 and h.complete}
-    resolved = ask({n: h.digest for n, h in holding.items()})
-    if not resolved.shards:  # one we hold: its manifests are ours (or, let go meanwhile, ask for them)
-        mine = holding.get(resolved.version)
-        resolved = ask({}) if mine is None or mine.dropped else msgspec.structs.replace(resolved, shards=mine.shards)
+    resolved = given or resolve(ep, model, number, group=group, deadline=deadline,
+                                each=min(resolve_timeout, timeout), wait=wait, timeout=timeout)
     resolved_at = time.monotonic()
     with ep.replicas.claim((model, resolved.version), deadline):
         held = _filled(ep, (model, resolved.version), deadline)
@@ -93,6 +86,24 @@ def fetch(ep, model: str, version: int | str, *, into: dict | Callable, group: O
     ep.last_fetch = {**job.stats, **metrics.stages(started, resolved_at, set_up_at, job.times, time.monotonic())}
     metrics.observe(ep.last_fetch)
     return resolved.version
+
+
+def resolve(ep, model: str, number: Optional[int], *, group: Optional[str], deadline: float, each: float,
+            wait: bool, timeout: float) -> p.Resolved:
+    """Step 1: the version's number and manifests (``waiting``), naming the versions we
+    hold whole, so one of those comes back without its manifests and we fill them in
+    from our replica (``Resolve.known``)."""
+    def ask(known: dict[int, int]) -> p.Resolved:
+        return waiting.resolve(ep.call, p.Resolve(name=ep.name, model=model, version=number, group=group,
+                                                  known=known),
+                               deadline=deadline, each=each, wait=bool(wait), timeout=timeout)
+
+    holding = {h.version: h for h in ep.replicas.all() if h.model == model and h.rank < 0 and h.complete}
+    resolved = ask({n: h.digest for n, h in holding.items()})
+    if not resolved.shards:  # one we hold: its manifests are ours (or, let go meanwhile, ask for them)
+        mine = holding.get(resolved.version)
+        resolved = ask({}) if mine is None or mine.dropped else msgspec.structs.replace(resolved, shards=mine.shards)
+    return resolved
 
 
 def _filled(ep, key: tuple[str, int], deadline: float) -> Optional[Replica]:

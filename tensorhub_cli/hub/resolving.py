@@ -21,6 +21,7 @@ from .state import HubState
 
 def resolve(hub: HubState, now: float, op: p.Resolve) -> p.Resolved:
     hub.endpoint(op.name)
+    hub.count("resolves")  # (one per engine where its workers share a resolution: Endpoint.resolve)
     versions = hub.models.get(op.model)
     if not versions:
         raise HubFault("not_found", f"model {op.model!r} has no versions")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from . import alone as A
 from . import workloads as W
 from .params import SimParams
 
@@ -54,7 +55,10 @@ def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
     of the version's time) and ``start_burst_s`` (when the last reader had its first
     plan answered: ``version_s`` is at least that plus the reader's own bytes at its
     NIC's rate, so what the hub takes to answer every reader once is time the bound
-    does not count)."""
+    does not count); ``hub_cpu_alone_s``, the same hub calls replayed in a process
+    holding only the hub (``sim.alone``), and ``hub_busy_alone``, the busy share that
+    CPU and the requests' modelled cost make of the same ``version_s`` (the run itself
+    was charged ``hub_cpu_s``)."""
     t = params.curves.trainer_gpus
     # The schedule protocol: the design these rows judge (``fetch.protocol`` says what
     # the workloads and curves run).
@@ -62,13 +66,18 @@ def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
     rows = []
     for n in gpus:
         w0 = time.perf_counter()
-        got = W.standalone(params, "ros", t, n, barrier=False)
+        got = W.standalone(params, "ros", t, n, barrier=False, record=True)
         v = got["version_s"]
         b = bound_s(params, t, got)
+        alone = A.cpu_s(got["hub_log"])
+        h, calls = params.hub, got["hub_calls"]
+        requests = sum(calls.values()) - calls.get("sweep", 0) - calls.get("muster", 0)  # (the hub's own timers)
+        busy_alone = alone * h.cpu_scale + requests * h.request_overhead_s if h.charge_cpu else 0.0
         rows.append({"rollout_gpus": n, "trainer_gpus": t, "tp": got["tp"], "version_s": round(v, 4),
                      "bound_s": round(b, 4), "over_bound": round(v / b, 3) if b else None,
                      "start_burst_s": round(got["start_burst_s"], 4),
                      "hub_cpu_s": round(got["hub_cpu_s"], 4), "hub_busy": round(got["hub_busy_s"] / v, 3) if v else 0.0,
+                     "hub_cpu_alone_s": round(alone, 4), "hub_busy_alone": round(busy_alone / v, 3) if v else 0.0,
                      "hub_calls": sum(got["hub_calls"].values()), "wall_s": round(time.perf_counter() - w0, 2)})
     first, last = rows[0], rows[-1]
     return {"x": "rollout_gpus", "trainer_gpus": t, "protocol": "schedule", "rows": rows,

@@ -87,9 +87,12 @@ class SimEndpoint:
                                       rank=rank, world=world, incarnation=self.name), done)
 
     def fetch(self, model: str, version: int, *, want: int = 0, on_done: Callable[["Fetch"], None],
-              on_error: Callable[["Fetch", p.Error], None] | None = None) -> "Fetch":
+              on_error: Callable[["Fetch", p.Error], None] | None = None,
+              resolve: Callable[[Callable], None] | None = None) -> "Fetch":
+        """``resolve``: how the fetch learns the version (given its reply callback), where
+        not by its own ``Resolve``: a group's shared one (``scenario.SharedResolve``)."""
         kind = ScheduledFetch if self.world.fetch_params.protocol == "schedule" else Fetch
-        f = kind(self, model, version, want, on_done, on_error)
+        f = kind(self, model, version, want, on_done, on_error, resolve)
         self.fetches.append(f)
         f.start()
         return f
@@ -106,12 +109,13 @@ class SimEndpoint:
 
 
 class Fetch:
-    def __init__(self, ep: SimEndpoint, model: str, version: int, want: int, on_done, on_error):
+    def __init__(self, ep: SimEndpoint, model: str, version: int, want: int, on_done, on_error, resolve=None):
         self.ep, self.model, self.version = ep, model, version
         self.cfg = ep.world.fetch_params
         self.window = self.cfg.window
         self.want = want.to_bytes((want.bit_length() + 7) // 8, "little") if want else b""
         self.on_done, self.on_error = on_done, on_error
+        self.resolve: Callable[[Callable], None] | None = resolve  # (SimEndpoint.fetch)
         self.inflight: dict[int, tuple[str, int]] = {}  # chunk -> (source, flow id)
         self.verifying: dict[int, str] = {}
         self.held: set[int] = set()
@@ -140,6 +144,8 @@ class Fetch:
         return not self.finished and self.ep.alive and self.ep.world.running
 
     def start(self) -> None:
+        if self.resolve is not None:
+            return self.resolve(self._resolved)
         self.ep.world.hub.call(p.Resolve(name=self.ep.name, model=self.model, version=self.version), self._resolved)
 
     def _resolved(self, body) -> None:

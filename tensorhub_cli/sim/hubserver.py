@@ -27,6 +27,11 @@ a hub that cannot keep up delays every reply, as it would: simulated time then d
 a little on this machine's speed, and two runs agree only to that noise. With ``charge``
 off a run is a pure function of its inputs.
 
+With ``record``, every queue entry served (and each plan's arrival, a ``Heard``) is
+kept in order with its simulated time; ``log(mark)`` hands it to ``sim.alone``, which
+replays it on a fresh hub in a process holding nothing else (the CPU charged here also
+pays for the simulator's heap crowding the hub's state out of the caches).
+
 The cyclic collector's full passes are not charged (``FullPasses``): one that starts
 inside a hub call walks the whole simulator's heap (flows, events, every endpoint's
 tables: millions of objects at thousands of readers), which a hub process, whose heap
@@ -42,7 +47,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..hub import protocol as p
 from ..hub.faults import Answered
@@ -55,6 +60,12 @@ _OPS = {
     p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
     p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
 }
+
+
+class Heard(NamedTuple):
+    """(A logged entry, ``calls_log``: a plan's arrival counted as a heartbeat; not charged.)"""
+    name: str
+    incarnation: str
 
 
 class FullPasses:
@@ -82,8 +93,10 @@ class FullPasses:
 
 class HubServer:
     def __init__(self, loop: Loop, hub: Hub, *, rtt_s: float, charge: bool, cpu_scale: float = 1.0,
-                 overhead_s: float = 0.0, sweep_s: float = 1.0, live: Callable[[str], bool] = lambda name: True):
+                 overhead_s: float = 0.0, sweep_s: float = 1.0, live: Callable[[str], bool] = lambda name: True,
+                 record: bool = False):
         self.loop, self.hub = loop, hub
+        self.calls_log: list[tuple] | None = [] if record else None  # (entry, now) served, for ``sim.alone``
         self.rtt_s, self.charge, self.cpu_scale, self.overhead_s = rtt_s, charge, cpu_scale, overhead_s
         self.sweep_s = sweep_s
         self.live = live
@@ -107,6 +120,8 @@ class HubServer:
     def _arrive(self, op: p.Msg, reply: Callable | None) -> None:
         if isinstance(op, p.Plan):  # a heartbeat too, as of its arrival (as ``HubService.take``)
             self.hub.heard(self.loop.now, op.name, op.incarnation)
+            if self.calls_log is not None:
+                self.calls_log.append((Heard(op.name, op.incarnation), self.loop.now))
         self._queue.append((op, reply))
         if len(self._queue) > self.max_queue:
             self.max_queue = len(self._queue)
@@ -127,6 +142,8 @@ class HubServer:
         if op is None:  # (measured outside the hub's CPU)
             seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
             self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
+        if self.calls_log is not None:
+            self.calls_log.append((op, now))
         with FullPasses() as full:
             t0 = time.process_time()
             body = self._apply(op, now)
@@ -208,12 +225,23 @@ class HubServer:
     def cpu_s(self) -> float:
         return sum(self.cpu.values())
 
-    def mark(self) -> tuple[float, float, dict[str, int]]:
-        """What the hub spent so far (CPU, busy seconds, calls by kind), for ``since``."""
-        return self.cpu_s, self.busy_s, dict(self.calls)
+    @classmethod
+    def alone(cls, hub: Hub) -> "HubServer":
+        """A server whose ``_apply`` runs entries on ``hub`` outside any simulation (``sim.alone``)."""
+        return cls(Loop(), hub, rtt_s=0.0, charge=False)
 
-    def since(self, mark: tuple[float, float, dict[str, int]]) -> tuple[float, float, dict[str, int]]:
+    def log(self, mark: tuple) -> tuple:
+        """The recorded calls and where ``mark`` falls in them, for ``sim.alone.cpu_s``."""
+        if self.calls_log is None:
+            raise RuntimeError("this hub did not record its calls (HubServer(record=True))")
+        return self.hub.config, self.calls_log, mark[3]
+
+    def mark(self) -> tuple[float, float, dict[str, int], int]:
+        """What the hub spent so far (CPU, busy seconds, calls by kind, entries logged), for ``since``."""
+        return self.cpu_s, self.busy_s, dict(self.calls), len(self.calls_log or ())
+
+    def since(self, mark: tuple[float, float, dict[str, int], int]) -> tuple[float, float, dict[str, int]]:
         """What the hub spent after ``mark``: a version's share, setup left out."""
-        cpu, busy, calls = mark
+        cpu, busy, calls, _ = mark
         return (self.cpu_s - cpu, self.busy_s - busy,
                 {k: n - calls.get(k, 0) for k, n in sorted(self.calls.items()) if n > calls.get(k, 0)})

@@ -79,6 +79,9 @@ class Fetch(Strict):
     verifiers: int = Field(2, ge=1, le=64, description="checksums at once per endpoint")
     read_error_s: float = Field(0.5, ge=0, description="a read from a dead holder fails after this long")
     start_jitter_s: float = Field(0.1, ge=0, description="rollout instances start fetching within this spread")
+    group_resolve: bool = Field(True, description="one resolve per rollout instance, its answer broadcast to the "
+                                "instance's ranks in plan_rtt_s (Endpoint.resolve, as the vLLM adapter does); "
+                                "False: every rank resolves, as in files measured before 2026-12-07")
     serial_heads: bool = Field(True, description="a chain head reads one chunk at a time (``Planned.serial``); "
                                "False: its whole window, as readers did in files measured before 2026-12-06")
     fragments: int = Field(4, ge=1, le=64, description="reads per chunk a child may wait for, each relayed as "

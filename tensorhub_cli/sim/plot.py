@@ -34,6 +34,9 @@ def curves(result: dict, path: Path) -> None:
         left.plot(sx, [r["version_s"] for r in scale], "^-", label="ours, --scale")
         left.plot(sx, [r["bound_s"] for r in scale], ":", color="grey", label="network-only bound")
         right.plot(sx, [r["hub_cpu_s"] for r in scale], "^-", label="ours, --scale")
+        if all("hub_cpu_alone_s" in r for r in scale):  # (files from before 2026-12-07 lack it)
+            right.plot(sx, [r["hub_cpu_alone_s"] for r in scale], "v--",
+                       label="ours, --scale, hub calls replayed alone")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

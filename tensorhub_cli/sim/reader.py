@@ -1,8 +1,9 @@
 """A simulated scheduled reader: ``endpoint.reader.Reader`` (the reader's algorithm,
 sans I/O) driven by the simulator's events instead of sockets and engines.
 
-Protocol: ``Resolve``, then the core's actions carried out in simulated time: ``Ask``
-is a ``Plan`` with ``schedule`` to the real hub (its answer comes back as ``Answer``);
+Protocol: ``Resolve`` (or its instance's shared one, ``scenario.SharedResolve``), then
+the core's actions carried out in simulated time: ``Ask`` is a ``Plan`` with
+``schedule`` to the real hub (its answer comes back as ``Answer``);
 ``Start`` is one flow of the chunk's bytes (or its fragment's) from the source's GPU to
 ours (``Landed`` when it ends; a dead source's read fails after ``read_error_s``);
 ``Relay`` tells the world what landed (``World.relayed``); ``Verify`` queues the
@@ -22,11 +23,12 @@ from ..hub import protocol as p
 
 
 class ScheduledFetch:
-    def __init__(self, ep, model: str, version: int, want: int, on_done, on_error):
+    def __init__(self, ep, model: str, version: int, want: int, on_done, on_error, resolve=None):
         self.ep, self.model, self.version, self.want = ep, model, version, want
         self.world = ep.world
         self.cfg = self.world.fetch_params
         self.on_done, self.on_error = on_done, on_error
+        self.resolve = resolve  # (SimEndpoint.fetch)
         self.finished = False
         self.started = self.world.loop.now
         self.planned_at: float | None = None  # the hub's first answer to our plans
@@ -56,6 +58,8 @@ class ScheduledFetch:
         return self.model, self.version
 
     def start(self) -> None:
+        if self.resolve is not None:
+            return self.resolve(self._resolved)
         self.world.hub.call(p.Resolve(name=self.ep.name, model=self.model, version=self.version), self._resolved)
 
     def _resolved(self, body) -> None:

@@ -6,7 +6,8 @@ time are simulated. Trainer ranks (the first GPUs) publish one version of the mo
 sharded over all of them; a rollout instance is ``rollout_tp`` consecutive GPUs and
 rank k of an instance reads slice k (1/tp of the chunks, ``scenario.slice_mask``);
 where too few rollout GPUs make the instances a workload needs, tp is smaller
-(``tp_of``, reported as ``tp``).
+(``tp_of``, reported as ``tp``). An instance's ranks resolve once between them
+(``fetch.group_resolve``: ``scenario.SharedResolve``), as the vLLM adapter's do.
 
 - ``standalone``: every rollout fetches the new version at once (instances start
   within ``start_jitter_s``); an instance stalls from its start until its last rank
@@ -83,13 +84,14 @@ class Cast:
         return self.number[ep.name] // self.tp
 
 
-def _world(params: SimParams, dcs: list[int], planner: str) -> World:
+def _world(params: SimParams, dcs: list[int], planner: str, record: bool = False) -> World:
     """Ours reads as ``fetch.protocol`` says (a schedule by default, as endpoints do);
     the trainer-star baselines keep the windowed reader they were always simulated with
     (docs/design.md, "Schedules"): only ours changes between protocols."""
     if planner == "star":
-        return World(params, dcs, planner=planner, fetch=params.fetch.model_copy(update={"protocol": "window"}))
-    return World(params, dcs, planner=planner)
+        return World(params, dcs, planner=planner, fetch=params.fetch.model_copy(update={"protocol": "window"}),
+                     record=record)
+    return World(params, dcs, planner=planner, record=record)
 
 
 def _levels(world: World) -> dict[str, int]:
@@ -108,7 +110,9 @@ def _fetch_round(cast: Cast, eps, t0: float, jitter: bool, version: int = 1) -> 
         if i not in starts:
             starts[i] = t0 + world.rng.uniform(0.0, spread)
     mark = world.hub.mark()
-    fetches = sc.fetch(world, [(ep, cast.want(ep), starts[cast.instance(ep)]) for ep in eps], MODEL, version)
+    groups = {ep.name: cast.instance(ep) for ep in eps} if world.fetch_params.group_resolve else None
+    fetches = sc.fetch(world, [(ep, cast.want(ep), starts[cast.instance(ep)]) for ep in eps], MODEL, version,
+                       groups=groups)
     return fetches, starts, mark
 
 
@@ -139,6 +143,7 @@ def _summary(world: World, fetches, t0: float, mark: tuple) -> dict:
         "hub_cpu_total_s": world.hub.cpu_s,  # setup included: the wall time the real hub took
         "hub_cpu": {k: round(v, 4) for k, v in sorted(world.hub.cpu.items())},
         "hub_calls": calls,
+        "hub_counters": dict(world.hub.hub.counters),
         "hub_busy_s": busy,
         "hub_max_queue": world.hub.max_queue,
         "expired_alive": world.expired_alive(),
@@ -152,8 +157,10 @@ def _summary(world: World, fetches, t0: float, mark: tuple) -> dict:
     }
 
 
-def standalone(params: SimParams, planner: str, trainer: int, rollouts: int, barrier: bool) -> dict:
-    world = _world(params, [trainer + rollouts], planner)
+def standalone(params: SimParams, planner: str, trainer: int, rollouts: int, barrier: bool,
+               record: bool = False) -> dict:
+    """``record``: the result's ``hub_log`` is the hub's calls (``sim.alone``)."""
+    world = _world(params, [trainer + rollouts], planner, record)
     cast = Cast(world, trainer, [(trainer + i, i) for i in range(rollouts)], tp_of(params, rollouts, 1))
     sc.register(world, cast.trainer + cast.rollouts)
     began = world.loop.now
@@ -162,6 +169,8 @@ def standalone(params: SimParams, planner: str, trainer: int, rollouts: int, bar
     fetches, starts, mark = _fetch_round(cast, cast.rollouts, t0, jitter=not barrier)
     world.close()
     out = _summary(world, fetches, t0, mark)
+    if record:
+        out["hub_log"] = world.hub.log(mark)
     if barrier:  # the global stage: every GPU waits for the last rollout
         rollout_stall = rollouts * out["version_s"]
         trainer_stall = trainer * (publish_s + out["version_s"])

@@ -50,7 +50,8 @@ class SimStuck(RuntimeError):
 
 class World:
     def __init__(self, params: SimParams, dcs: list[int], *, planner: str = "ros", fetch: FetchParams | None = None,
-                 fabric: Fabric | None = None, overhead_s: float | None = None, exact: bool = False):
+                 fabric: Fabric | None = None, overhead_s: float | None = None, exact: bool = False,
+                 record: bool = False):
         h, e = params.hub, params.engine
         self.params = params
         self.fetch_params = fetch or params.fetch
@@ -63,7 +64,8 @@ class World:
                             default_policy=Policy(keep_latest=2, min_reliable_copies=0)), now=0.0)
         self.hub = HubServer(self.loop, hub, rtt_s=self.fetch_params.plan_rtt_s, charge=h.charge_cpu,
                              cpu_scale=h.cpu_scale, overhead_s=h.request_overhead_s if overhead_s is None
-                             else overhead_s, sweep_s=h.sweep_s, live=lambda name: self.endpoints[name].alive)
+                             else overhead_s, sweep_s=h.sweep_s, live=lambda name: self.endpoints[name].alive,
+                             record=record)
         self.endpoints: dict[str, SimEndpoint] = {}
         self.publishers: set[str] = set()
         self.running = True

@@ -17,7 +17,8 @@ names none), rank 0 loaded v1 and rank 1 v2 in the first round. Now that each ra
 reads only its shard (which the hub never counts as a complete copy, so a group's
 round would stay open for ``round_timeout_s``), the ranks agree on the version at
 ``start_weight_update`` over vLLM's own group; without that the second round loaded
-v1 again ("the TP ranks loaded [1, 1], not v2 both").
+v1 again ("the TP ranks loaded [1, 1], not v2 both"). Rank 0 resolves it alone and
+broadcasts the resolution, so the hub answers one resolve per update, not one per rank.
 
 The last test has the trainer publish as a real model's proportions would (16 KiB
 compaction threshold, 64 KiB chunks): each rank reads its shard (at most 1.05 x its
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import pytest
 
+from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.launch.procs import stop_child
 
 from ..conftest import free_port
@@ -72,7 +74,7 @@ def world(tmp_path_factory):
                                      "name": "tp", "engine": "tcp"})
         assert engine.ok("gate", dir=str(gates)) == [0, 1]
         yield dict(trainer=trainer, engine=engine, dirs=dirs, gates=gates, a=a_tokens,
-                   latest=0, updates=0)
+                   latest=0, updates=0, client=client)
     finally:
         for child in children:
             child.stop()
@@ -140,9 +142,13 @@ def test_tp_workers_read_their_own_shard_before_the_pause_while_the_engine_gener
     world["updates"] += 1
     for rank in (0, 1):
         (gates / f"rank{rank}-{world['updates']}").touch()
+    resolves = world["client"].call(p.Status()).counters.get("resolves", 0)
     got = engine.ok("update", update_info={"version": v, "timeout": 60.0}, generate=PROMPT,
                     dir=str(world["dirs"][source(v)]))
     assert [r["problems"] for r in got["ranks"]] == [[], []], got["ranks"]
+    # Rank 0 resolved for both ranks (``Endpoint.resolve``, broadcast over vLLM's group):
+    # neither prefetch named the version at the hub again.
+    assert world["client"].call(p.Status()).counters.get("resolves", 0) == resolves + 1
     from safetensors.torch import load_file
 
     whole = sum(t.nbytes for t in load_file(str(world["dirs"]["A"] / "model.safetensors")).values())

@@ -100,18 +100,39 @@ class Group:
         return self.box[-1]
 
 
-def test_latest_is_one_number_for_every_rank_of_the_tp_group():
+def test_rank_0_resolves_for_every_rank_of_the_tp_group_and_they_share_its_resolution():
     asked = []
 
     class Hub:
         name = "rank"
 
         def versions(self, model):
-            asked.append(model)
+            asked.append(("versions", model))
             return [SimpleNamespace(version=v, state=s) for v, s in ((1, "READY"), (2, "READY"), (3, "STAGING"))]
 
+        def resolve(self, model, version, wait=True):
+            asked.append(("resolve", model, version, wait))
+            return SimpleNamespace(model=model, version=version)
+
     box: list = []
-    assert [sglang._agree(Hub(), "policy", "latest", Group(r, box)) for r in (0, 1)] == [2, 2]
-    assert asked == ["policy"]  # rank 0 alone asks the hub
-    assert sglang._agree(Hub(), "policy", 7, Group(0, box)) == 7  # a number is not agreed on
+    got = [sglang._agree(Hub(), "policy", "latest", Group(r, box)) for r in (0, 1)]
+    assert got[0] is got[1] and got[0].version == 2  # one resolution, rank 0's
+    assert asked == [("versions", "policy"), ("resolve", "policy", 2, False)]  # rank 0 alone asks the hub
+    got = [sglang._agree(Hub(), "policy", 7, Group(r, box)) for r in (0, 1)]
+    assert got[0] is got[1] and got[0].version == 7  # a number too: resolved once
+    assert asked[-1] == ("resolve", "policy", 7, False) and len(asked) == 3
     assert sglang._agree(Hub(), "policy", "latest", None) == "latest"  # (outside SGLang: the endpoint's group)
+
+
+def test_with_no_version_to_resolve_every_rank_keeps_asking_on_its_own():
+    class Hub:
+        name = "rank"
+
+        def versions(self, model):
+            return [SimpleNamespace(version=1, state="STAGING")]
+
+        def resolve(self, model, version, wait=True):
+            raise AssertionError("nothing READY: nothing to resolve")
+
+    box: list = []
+    assert [sglang._agree(Hub(), "policy", "latest", Group(r, box)) for r in (0, 1)] == ["latest", "latest"]

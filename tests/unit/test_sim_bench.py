@@ -79,16 +79,36 @@ def test_chunk_mib_sets_the_chunk_of_the_cluster_scale_runs(small, tmp_path):
 
 def test_scale_rows_time_the_start_burst_the_version_waits_on(small):
     """``start_burst_s``: when the last reader had its first plan answered. Every
-    reader's resolve and first plan are served, one at a time, before then, so a hub
-    charged 10 ms a request takes at least 2 x 16 x 10 ms; the version ends after it."""
+    reader's first plan, and every instance's resolve (four of 16 readers at TP 4:
+    ``fetch.group_resolve``) or, with that off, every reader's, are served one at a
+    time before then, so a hub charged 10 ms a request takes at least (16 + 4) x 10 ms,
+    or 2 x 16 x 10 ms; the version ends after it."""
     p = load(small)
     rows = {}
-    for overhead in (0.0, 0.01):
+    for overhead, group in ((0.0, True), (0.01, True), (0.01, False)):
         hub = p.hub.model_copy(update={"charge_cpu": True, "cpu_scale": 1e-9, "request_overhead_s": overhead})
-        rows[overhead] = curves.scale(p.model_copy(update={"hub": hub}), gpus=[16])["rows"][0]
-    free, charged = rows[0.0], rows[0.01]
-    assert charged["start_burst_s"] >= 2 * 16 * 0.01
-    assert 0 < free["start_burst_s"] < charged["start_burst_s"] / 2
-    for row in (free, charged):
+        fetch = p.fetch.model_copy(update={"group_resolve": group})
+        rows[overhead, group] = curves.scale(p.model_copy(update={"hub": hub, "fetch": fetch}), gpus=[16])["rows"][0]
+    free, shared, each = rows[0.0, True], rows[0.01, True], rows[0.01, False]
+    assert shared["start_burst_s"] >= (16 + 4) * 0.01
+    assert each["start_burst_s"] >= 2 * 16 * 0.01
+    assert each["start_burst_s"] - shared["start_burst_s"] >= 0.5 * 12 * 0.01  # the 12 resolves not asked
+    assert 0 < free["start_burst_s"] < shared["start_burst_s"] / 2
+    for row in (free, shared, each):
         assert row["start_burst_s"] < row["version_s"]
-    assert charged["version_s"] - free["version_s"] >= 0.5 * (charged["start_burst_s"] - free["start_burst_s"])
+    assert shared["version_s"] - free["version_s"] >= 0.5 * (shared["start_burst_s"] - free["start_burst_s"])
+
+
+def test_an_instances_ranks_resolve_once_between_them_and_read_the_same_bytes(small):
+    """``fetch.group_resolve``: one ``Resolve`` per rollout instance reaches the hub
+    (its ranks take the answer over their own group); off, one per rank. Nothing else
+    about the fetch changes: the same chunks are read."""
+    from tensorhub_cli.sim import workloads
+
+    p = load(small)
+    got = {}
+    for group in (True, False):
+        q = p.model_copy(update={"fetch": p.fetch.model_copy(update={"group_resolve": group})})
+        got[group] = workloads.standalone(q, "ros", 4, 16, barrier=False)
+    assert got[True]["hub_calls"]["resolve"] == 16 // 4 and got[False]["hub_calls"]["resolve"] == 16
+    assert got[True]["bytes"] == got[False]["bytes"] > 0
