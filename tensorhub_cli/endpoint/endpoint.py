@@ -254,8 +254,9 @@ class Endpoint:
     def resolve(self, model: str, version: int | str = "latest", *, group: Optional[str] = None,
                 timeout: float = 10.0, wait: bool = True) -> p.Resolved:
         """The version ``fetch`` would read (``group`` defaults to the endpoint's own, as
-        there), with its manifests; ``timeout`` bounds the wait for a version not READY
-        yet (``wait``) and each round trip. See the module."""
+        there), with its manifests; ``timeout`` bounds the whole call, the wait for a
+        version not READY yet (``wait``) included, and each round trip is at most
+        ``call_timeout_s``. See the module."""
         self.check_open()
         model, number = checks.model(model), checks.version(version, latest=True)
         group, timeout = checks.group(self.info.group if group is None else group), checks.seconds(timeout, "timeout")
