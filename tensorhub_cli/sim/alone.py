@@ -53,18 +53,13 @@ def run(log: tuple) -> dict:
 def replay(config, calls: list, since: int) -> tuple[float, dict]:
     """(In the child.) The CPU ``calls[since:]`` take on a fresh hub, and its counters."""
     from ..hub.machine import Hub
-    from .hubserver import Heard, HubServer
+    from .hubserver import HubServer
 
     server = HubServer.alone(Hub(config, now=0.0))
     spent = 0.0
-    for i, (op, now) in enumerate(calls):
-        if isinstance(op, Heard):  # (a plan's arrival: not charged in the run either)
-            server.hub.heard(now, op.name, op.incarnation)
-            continue
+    for i, (entry, now) in enumerate(calls):
         t0 = time.process_time()
-        server._apply(op, now)
-        server.hub.take_outbound()
-        if i >= since:
+        if server.replay(entry, now) and i >= since:
             spent += time.process_time() - t0
     return spent, dict(server.hub.counters)
 

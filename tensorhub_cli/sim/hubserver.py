@@ -227,8 +227,18 @@ class HubServer:
 
     @classmethod
     def alone(cls, hub: Hub) -> "HubServer":
-        """A server whose ``_apply`` runs entries on ``hub`` outside any simulation (``sim.alone``)."""
+        """A server that ``replay``s logged entries on ``hub`` outside any simulation (``sim.alone``)."""
         return cls(Loop(), hub, rtt_s=0.0, charge=False)
+
+    def replay(self, entry, now: float) -> bool:
+        """One ``calls_log`` entry applied again as it was served; False for a ``Heard``
+        (a plan's arrival: uncharged in the run, so not to be timed)."""
+        if isinstance(entry, Heard):
+            self.hub.heard(now, entry.name, entry.incarnation)
+            return False
+        self._apply(entry, now)
+        self.hub.take_outbound()
+        return True
 
     def log(self, mark: tuple) -> tuple:
         """The recorded calls and where ``mark`` falls in them, for ``sim.alone.cpu_s``."""
