@@ -3,7 +3,8 @@
 Flags map one to one onto ``daemon.run``; the launcher (``th up``) passes the node's
 place and the spec's ``hub.heartbeat_s`` and ``endpoints`` timeouts. Runs until a
 signal (see ``daemon``), then exits 0; exits 1 naming the store when another live
-agent uses its store directory.
+agent uses its store directory; exits 2 naming the file when the token file is missing,
+unreadable or empty.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import logging
 import sys
 
+from ..errors import BadArgument
+from ..tokens import read_token_file
 from .daemon import run
 from .store import StoreError
 
@@ -41,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default=None, help="names our directory in the store (default hub-<port>)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s agent[{args.node}] %(levelname)s %(message)s")
-    with open(args.token_file, encoding="utf-8") as f:
-        token = f.read().strip()
+    try:
+        token = read_token_file(args.token_file)
+    except BadArgument as exc:
+        logging.error("%s", exc)
+        return 2
     from ..engines.nixl_shim import use_net_devices
 
     use_net_devices(args.ucx_net_devices)  # before the endpoint's engine loads NIXL

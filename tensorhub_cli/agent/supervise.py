@@ -144,15 +144,17 @@ class Supervisor:
         if not self.args.hub:
             return
         from ..hub import protocol as p
+        from ..errors import BadArgument
         from ..hub.client import HubClient, HubError, HubUnreachable
+        from ..tokens import read_token_file
 
         client = None
         try:
-            client = HubClient(self.args.hub, Path(self.args.token_file).read_text().strip())
+            client = HubClient(self.args.hub, read_token_file(self.args.token_file))
             client.call(p.Deregister(name=self.args.name, incarnation=self.incarnation),
                         timeout=self.args.call_timeout_s)
             self.say("deregistered the dead runner at the hub")
-        except (HubError, HubUnreachable, OSError) as exc:  # it expires at the hub instead
+        except (HubError, HubUnreachable, OSError, BadArgument) as exc:  # it expires at the hub instead
             self.say(f"could not deregister it at the hub ({exc}); it will expire there")
         finally:
             if client is not None:

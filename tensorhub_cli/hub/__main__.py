@@ -1,7 +1,8 @@
 """Hub process: ``python -m tensorhub_cli.hub --bind tcp://ADDR:PORT --token-file F``.
 
 Exits 0 on SIGTERM/SIGINT after closing its socket; exits 1 with a one-line message
-when it cannot bind (port taken, address not local).
+when it cannot bind (port taken, address not local); exits 2 naming the file when the
+token file is missing, unreadable or empty (``tokens.read_token_file``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 
 import zmq
 
+from ..errors import BadArgument
+from ..tokens import read_token_file
 from .service import HubService
 from .deltas import MODES
 from .retention import Policy
@@ -66,8 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                          "MODEL= sets one model's (the spec's models[].deltas)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(levelname)s %(message)s")
-    with open(args.token_file, encoding="utf-8") as f:
-        token = f.read().strip()
+    try:
+        token = read_token_file(args.token_file)
+    except BadArgument as exc:
+        print(f"hub: {exc}", file=sys.stderr)
+        return 2
     hub = Hub(hub_config(args), now=time.monotonic())
     try:
         service = HubService(hub, token, args.bind)

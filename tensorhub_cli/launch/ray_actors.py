@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..tokens import write_token_file
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,10 +53,7 @@ class ProcessActor:
         self.node_dir = os.path.expanduser(node_dir)
         os.makedirs(self.node_dir, exist_ok=True)
         if token is not None:
-            path = os.path.join(self.node_dir, "token")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(token)
+            write_token_file(os.path.join(self.node_dir, "token"), token)
 
         def fill(text: str) -> str:
             return text.replace("{NODE_DIR}", self.node_dir).replace("{PYTHON}", sys.executable)

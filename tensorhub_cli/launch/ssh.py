@@ -35,6 +35,7 @@ from pathlib import Path
 import paramiko
 
 from ..spec import ClusterSpec, PlacedNode
+from ..tokens import token_shell
 from .procs import STOP_TIMEOUT_S, ProcRecord
 
 EXEC_TIMEOUT_S = 20.0  # default limit of one remote command (and of silence in a stream)
@@ -251,8 +252,7 @@ class SshLauncher:
     def token_path(self, node: PlacedNode, token: str) -> str:
         """Put the cluster token on the node (mode 0600); returns its remote path."""
         d = self.node_dir(node.name)
-        rc, _, err = self.session(node.name).run(
-            f"mkdir -p {shlex.quote(d)} && umask 077 && cat > {shlex.quote(d)}/token", stdin=token)
+        rc, _, err = self.session(node.name).run(token_shell(d), stdin=token)
         if rc != 0:
             raise SshError(f"{node.name}: could not write the token: {err.strip()}")
         return f"{d}/token"

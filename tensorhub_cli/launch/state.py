@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..tokens import write_token_file
 from .procs import ProcRecord
 
 
@@ -83,12 +84,7 @@ def pick_cluster(name: str | None) -> str:
 
 def write_token(name: str, token: str | None) -> Path:
     """Store the cluster token (given, or freshly generated) readable by us alone."""
-    path = cluster_dir(name) / "token"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token or secrets.token_urlsafe(32))
-    return path
+    return write_token_file(cluster_dir(name) / "token", token or secrets.token_urlsafe(32))
 
 
 def read_token(name: str) -> str:
