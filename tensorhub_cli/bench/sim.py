@@ -172,6 +172,7 @@ def run(gpus: int | None = None, params_file: Path | str | None = None, curves: 
             "gpus": gpus, "trainer_gpus": t, "rollout_gpus": r, "rollout_tp": p.roles.rollout_tp,
             "model_bytes": p.model.nbytes, "chunk_bytes": p.model.chunk_bytes, "window": p.fetch.window,
             "hub_cpu_charged": p.hub.charge_cpu,
+            "hub_own_process": p.hub.charge_cpu and p.hub.own_process,  # where that CPU was measured
             "workloads": workloads,
             "calibration": calibration,
         }

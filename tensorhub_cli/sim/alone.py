@@ -10,14 +10,15 @@ bounded by ``TIMEOUT_S``) builds a ``Hub`` from ``config``, applies every entry 
 share: the setup is replayed, not counted). Errors (a replay that fails or runs out of
 time) raise ``RuntimeError`` with the child's own message.
 
-Why. Inside the simulator the hub's calls share the process, and its caches, with
-every flow, event and reader table, which the simulator walks between two hub calls;
-a hub process holds only its state. A whole run's calls (setup included) cost
-0.34–0.36 CPU-s replayed alone against 0.95 charged in the run at 4,096 rollout GPUs
-(plans: 0.24 against 0.87; 2026-12-07, two replays), 0.11 against 0.15 at 1,024
-(plans: 0.047 against 0.095): the charged figure grows with the simulator's heap, not
-only with the hub's work. The replay is the hub's work only: no socket, no
-codec (``hub.request_overhead_s`` models those), and its string hashes are not the
+Why. In a run, other work comes between two hub calls (the simulator's walk over
+flows, events and reader tables), and a call that follows other work runs with the
+hub's state out of the caches, in whichever process the hub sits (``sim.hubhost``,
+"Warm and cold": a version's calls at 4,096 rollout GPUs, 2026-12-07, were charged
+0.92 CPU-s in the simulator's process, 1.00 in a process of their own that slept
+between calls and 0.60 in one kept awake, against 0.29–0.34 replayed here). The
+replay runs the calls back to back with the caches to itself: the hub on a node of
+its own, the lower bound of what the run charges. It is the hub's work only: no
+socket, no codec (``hub.request_overhead_s`` models those), and its string hashes are not the
 simulator's, so where the hub walks a set its answers may come in another order (the
 requests are the same).
 """
@@ -61,7 +62,7 @@ def replay(config, calls: list, since: int) -> tuple[float, dict]:
         t0 = time.process_time()
         if server.replay(entry, now) and i >= since:
             spent += time.process_time() - t0
-    return spent, dict(server.hub.counters)
+    return spent, server.counters
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def scale(params: SimParams, gpus=SCALE_GPUS) -> dict:
     does not count); ``hub_cpu_alone_s``, the same hub calls replayed in a process
     holding only the hub (``sim.alone``), and ``hub_busy_alone``, the busy share that
     CPU and the requests' modelled cost make of the same ``version_s`` (the run itself
-    was charged ``hub_cpu_s``)."""
+    was charged ``hub_cpu_s``, measured in the hub's own process where
+    ``hub.own_process``: ``sim.hubhost``, "Warm and cold")."""
     t = params.curves.trainer_gpus
     # The schedule protocol: the design these rows judge (``fetch.protocol`` says what
     # the workloads and curves run).

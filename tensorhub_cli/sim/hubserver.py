@@ -19,47 +19,34 @@ finish a slice, ``service.SLICE_S``, first: not modelled.) ``expired`` lists eve
 expiry (time, name); ``silence_max_s`` is the longest silence of an endpoint ``live``
 called alive that any sweep saw (contract 6 needs it under ``expiry_s``).
 
-Hub work has a cost: each call is timed with ``time.process_time`` (the CPU the real
-state machine and planner used in this process) and summed per operation kind in
-``cpu``. With ``charge`` on, that time (times ``cpu_scale``, plus ``overhead_s`` per
-request for decoding, encoding and the socket) also keeps the simulated core busy, so
-a hub that cannot keep up delays every reply, as it would: simulated time then depends
-a little on this machine's speed, and two runs agree only to that noise. With ``charge``
-off a run is a pure function of its inputs.
+Hub work has a cost: each call's CPU (``time.process_time`` where the hub runs: the
+real state machine and planner) is summed per operation kind in ``cpu``. With
+``charge`` on, that time (times ``cpu_scale``, plus ``overhead_s`` per request for
+decoding, encoding and the socket) also keeps the simulated core busy, so a hub that
+cannot keep up delays every reply, as it would: simulated time then depends a little on
+this machine's speed, and two runs agree only to that noise. With ``charge`` off a run
+is a pure function of its inputs. ``own_process``: the hub runs in a process of its own
+(``hubhost.HubProcess``), where the CPU of a call is the hub's alone, as deployed; else
+in this one (``hubhost.HubHere``), where it also pays for the simulator's heap crowding
+the hub's state out of the caches (``hubhost``: why; the collector's full passes are
+left out there). Either way the hub takes the same decisions. ``close()`` ends the
+host; ``counters`` still reads the hub's last counters after it.
 
 With ``record``, every queue entry served (and each plan's arrival, a ``Heard``) is
 kept in order with its simulated time; ``log(mark)`` hands it to ``sim.alone``, which
-replays it on a fresh hub in a process holding nothing else (the CPU charged here also
-pays for the simulator's heap crowding the hub's state out of the caches).
-
-The cyclic collector's full passes are not charged (``FullPasses``): one that starts
-inside a hub call walks the whole simulator's heap (flows, events, every endpoint's
-tables: millions of objects at thousands of readers), which a hub process, whose heap
-is its state alone, never walks. (At 1,024 rollout GPUs the collector's passes inside
-hub calls, one of them full, were a third of the hub's charged CPU: docs/design.md,
-"Schedules".) Young-generation passes stay charged: they walk the objects made since
-the last pass, as they would in a hub process, and fall on the hub's calls in
-proportion to what those calls allocate.
+replays it on a fresh hub in a process holding nothing else.
 """
 
 from __future__ import annotations
 
-import gc
-import time
 from collections import deque
 from typing import Callable, NamedTuple
 
 from ..hub import protocol as p
-from ..hub.faults import Answered
-from ..hub.machine import Hub, HubFault
+from ..hub.machine import Hub
 from ..hub.mustering import key as muster_key
 from .events import Loop
-
-_MUSTER = "muster"  # (a queue entry: close the musters due)
-_OPS = {
-    p.Register: Hub.register, p.Heartbeat: Hub.heartbeat, p.Deregister: Hub.deregister, p.Publish: Hub.publish,
-    p.Resolve: Hub.resolve, p.Plan: Hub.plan, p.Progress: Hub.progress, p.Cancel: Hub.cancel,
-}
+from .hubhost import MUSTER, SWEEP, HubHere, HubProcess
 
 
 class Heard(NamedTuple):
@@ -68,34 +55,15 @@ class Heard(NamedTuple):
     incarnation: str
 
 
-class FullPasses:
-    """CPU seconds of the collector's full (oldest-generation) passes, counted while
-    installed: ``with FullPasses() as full: ...`` then ``full.cpu_s``."""
-
-    def __init__(self):
-        self.cpu_s = 0.0
-        self._t0 = 0.0
-
-    def __enter__(self) -> "FullPasses":
-        gc.callbacks.append(self._on)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on)
-
-    def _on(self, phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            if phase == "start":
-                self._t0 = time.process_time()
-            else:
-                self.cpu_s += time.process_time() - self._t0
-
-
 class HubServer:
     def __init__(self, loop: Loop, hub: Hub, *, rtt_s: float, charge: bool, cpu_scale: float = 1.0,
                  overhead_s: float = 0.0, sweep_s: float = 1.0, live: Callable[[str], bool] = lambda name: True,
-                 record: bool = False):
-        self.loop, self.hub = loop, hub
+                 record: bool = False, own_process: bool = False):
+        """``hub``: a fresh hub; with ``own_process`` it moves into the child, and ``hub``
+        here stays None (read ``counters``)."""
+        self.loop, self.config = loop, hub.config
+        self.host = HubProcess(hub) if own_process else HubHere(hub)
+        self.hub = None if own_process else hub
         self.calls_log: list[tuple] | None = [] if record else None  # (entry, now) served, for ``sim.alone``
         self.rtt_s, self.charge, self.cpu_scale, self.overhead_s = rtt_s, charge, cpu_scale, overhead_s
         self.sweep_s = sweep_s
@@ -119,7 +87,7 @@ class HubServer:
 
     def _arrive(self, op: p.Msg, reply: Callable | None) -> None:
         if isinstance(op, p.Plan):  # a heartbeat too, as of its arrival (as ``HubService.take``)
-            self.hub.heard(self.loop.now, op.name, op.incarnation)
+            self.host.heard(self.loop.now, op.name, op.incarnation)
             if self.calls_log is not None:
                 self.calls_log.append((Heard(op.name, op.incarnation), self.loop.now))
         self._queue.append((op, reply))
@@ -137,58 +105,33 @@ class HubServer:
         op, reply = (self._urgent or self._queue).popleft()
         self._busy = True
         now = self.loop.now
-        kind = "sweep" if op is None else "heartbeat" if isinstance(op, list) else _MUSTER if op == _MUSTER \
+        kind = "sweep" if op is SWEEP else "heartbeat" if isinstance(op, list) else "muster" if op == MUSTER \
             else type(op).__name__.lower()
-        if op is None:  # (measured outside the hub's CPU)
-            seen = [now - ep.last_seen for ep in self.hub.endpoints.values() if self.live(ep.name)]
-            self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
+        if op == MUSTER:
+            self._muster_at = None
         if self.calls_log is not None:
             self.calls_log.append((op, now))
-        with FullPasses() as full:
-            t0 = time.process_time()
-            body = self._apply(op, now)
-            if body is None and isinstance(op, p.Plan):  # parked in its swarm's muster
-                self._parked.setdefault(muster_key(op), []).append(reply)
-                reply = None
-            answers = []  # (acks and commands: no simulated endpoint waits on them)
-            for event in self.hub.take_outbound():
-                if isinstance(event, Answered):
-                    answers += [(r, event.body) for r in self._parked.pop(event.key, [])]
-            cpu = time.process_time() - t0 - full.cpu_s
-        self.cpu[kind] = self.cpu.get(kind, 0.0) + cpu
+        done = self.host.apply(op, now)
+        if op is SWEEP:  # (measured outside the hub's CPU)
+            seen = [now - t for name, t in done.last_seen.items() if self.live(name)]
+            self.silence_max_s = max(self.silence_max_s, *seen) if seen else self.silence_max_s
+            self.expired += [(now, name) for name in done.expired]
+        body = done.body
+        if body is None and isinstance(op, p.Plan):  # parked in its swarm's muster
+            self._parked.setdefault(muster_key(op), []).append(reply)
+            reply = None
+        # (acks and commands: no simulated endpoint waits on them)
+        answers = [(r, b) for key, b in done.answers for r in self._parked.pop(key, [])]
+        self.cpu[kind] = self.cpu.get(kind, 0.0) + done.cpu_s
         n = len(op) if isinstance(op, list) else 1
         self.calls[kind] = self.calls.get(kind, 0) + n
-        requests = 0 if op is None or op == _MUSTER else n  # (the sweep and a muster's close: the hub's own timers)
-        busy = (cpu * self.cpu_scale + requests * self.overhead_s) if self.charge else 0.0
+        requests = 0 if op is SWEEP or op == MUSTER else n  # (the sweep and a muster's close: the hub's own timers)
+        busy = (done.cpu_s * self.cpu_scale + requests * self.overhead_s) if self.charge else 0.0
         self.busy_s += busy
         self.loop.at(now + busy, self._served, body, reply, answers)
-        due = self.hub.due()
-        if due is not None and (self._muster_at is None or due < self._muster_at):
-            self._muster_at = due
-            self.loop.at(max(due, now), self._arrive_urgent, _MUSTER)
-
-    def _apply(self, op, now: float):
-        """One queue entry on the real hub; the reply's body (None: none, or parked)."""
-        if op is None:
-            for name in self.hub.expire(now):
-                self.expired.append((now, name))
-            self.hub.settle(now)
-            return None
-        if op == _MUSTER:
-            self._muster_at = None
-            self.hub.muster(now)
-            return None
-        if isinstance(op, list):  # one beat period's heartbeats, served back to back
-            for beat in op:
-                try:
-                    self.hub.heartbeat(now, beat)
-                except HubFault:
-                    pass  # (expired meanwhile: a real endpoint would re-register)
-            return None
-        try:
-            return _OPS[type(op)](self.hub, now, op)
-        except HubFault as fault:
-            return fault.as_error()
+        if done.due is not None and (self._muster_at is None or done.due < self._muster_at):
+            self._muster_at = done.due
+            self.loop.at(max(done.due, now), self._arrive_urgent, MUSTER)
 
     def beats(self, ops: list[p.Heartbeat]) -> None:
         """Heartbeats of many endpoints sent at once: one queue entry, each beat still a
@@ -205,6 +148,7 @@ class HubServer:
             self._serve()
         else:
             self._busy = False
+            self.host.idle()  # (a hub process waits cold from here: ``hubhost``, "Warm and cold")
 
     # --- the service's sweep ---------------------------------------------------------
     def start_sweeps(self) -> None:
@@ -218,33 +162,42 @@ class HubServer:
     def _sweep(self) -> None:
         if not self._sweeping:
             return
-        self._arrive_urgent(None)
+        self._arrive_urgent(SWEEP)
         self.loop.after(self.sweep_s, self._sweep)
 
     @property
     def cpu_s(self) -> float:
         return sum(self.cpu.values())
 
+    @property
+    def counters(self) -> dict:
+        return self.host.counters()
+
+    def close(self) -> None:
+        """End the hub's host (its process, if it has one); ``counters`` keeps its last."""
+        self.host.close()
+
     @classmethod
     def alone(cls, hub: Hub) -> "HubServer":
         """A server that ``replay``s logged entries on ``hub`` outside any simulation (``sim.alone``)."""
-        return cls(Loop(), hub, rtt_s=0.0, charge=False)
+        server = cls(Loop(), hub, rtt_s=0.0, charge=False)
+        server.host.own_heap = True  # (the replay's process: its heap is the hub's and the log)
+        return server
 
     def replay(self, entry, now: float) -> bool:
         """One ``calls_log`` entry applied again as it was served; False for a ``Heard``
         (a plan's arrival: uncharged in the run, so not to be timed)."""
         if isinstance(entry, Heard):
-            self.hub.heard(now, entry.name, entry.incarnation)
+            self.host.heard(now, entry.name, entry.incarnation)
             return False
-        self._apply(entry, now)
-        self.hub.take_outbound()
+        self.host.apply(entry, now)
         return True
 
     def log(self, mark: tuple) -> tuple:
         """The recorded calls and where ``mark`` falls in them, for ``sim.alone.cpu_s``."""
         if self.calls_log is None:
             raise RuntimeError("this hub did not record its calls (HubServer(record=True))")
-        return self.hub.config, self.calls_log, mark[3]
+        return self.config, self.calls_log, mark[3]
 
     def mark(self) -> tuple[float, float, dict[str, int], int]:
         """What the hub spent so far (CPU, busy seconds, calls by kind, entries logged), for ``since``."""

@@ -97,6 +97,8 @@ class HubParams(Strict):
     charge_cpu: bool = Field(True, description="the real hub's measured CPU keeps the simulated hub core busy")
     cpu_scale: float = Field(1.0, gt=0, description="hub CPU here x this = hub CPU on the target machine")
     request_overhead_s: float = Field(3e-05, ge=0, description="per request: decode, encode, socket")
+    own_process: bool = Field(True, description="with charge_cpu, the real hub runs in a process of its own, as "
+                              "deployed: its CPU is not the simulator's heap crowding its caches (sim.hubhost)")
     muster_s: float = Field(MUSTER_S, ge=0, le=10, description="a new swarm's first plans within this long are laid "
                             "out together, by rack and node (``hub.mustering``; the hub's --muster-s)")
 

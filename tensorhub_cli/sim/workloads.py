@@ -95,7 +95,7 @@ def _world(params: SimParams, dcs: list[int], planner: str, record: bool = False
 
 
 def _levels(world: World) -> dict[str, int]:
-    c = world.hub.hub.counters
+    c = world.hub.counters
     return {lv: int(c.get(f"bytes_planned.level.{lv}", 0)) for lv in LEVELS}
 
 
@@ -143,7 +143,7 @@ def _summary(world: World, fetches, t0: float, mark: tuple) -> dict:
         "hub_cpu_total_s": world.hub.cpu_s,  # setup included: the wall time the real hub took
         "hub_cpu": {k: round(v, 4) for k, v in sorted(world.hub.cpu.items())},
         "hub_calls": calls,
-        "hub_counters": dict(world.hub.hub.counters),
+        "hub_counters": world.hub.counters,
         "hub_busy_s": busy,
         "hub_max_queue": world.hub.max_queue,
         "expired_alive": world.expired_alive(),

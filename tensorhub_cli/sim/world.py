@@ -65,7 +65,7 @@ class World:
         self.hub = HubServer(self.loop, hub, rtt_s=self.fetch_params.plan_rtt_s, charge=h.charge_cpu,
                              cpu_scale=h.cpu_scale, overhead_s=h.request_overhead_s if overhead_s is None
                              else overhead_s, sweep_s=h.sweep_s, live=lambda name: self.endpoints[name].alive,
-                             record=record)
+                             record=record, own_process=h.own_process and h.charge_cpu)
         self.endpoints: dict[str, SimEndpoint] = {}
         self.publishers: set[str] = set()
         self.running = True
@@ -254,6 +254,8 @@ class World:
             raise SimStuck(f"{what} did not finish within {self.params.engine.limit_s:g} simulated seconds")
 
     def close(self) -> None:
-        """Stop heartbeats and sweeps (their events fall through)."""
+        """Stop heartbeats and sweeps (their events fall through) and end the hub's
+        process, if it has one (``hub.counters`` still reads its last counters)."""
         self.running = False
         self.hub.stop_sweeps()
+        self.hub.close()

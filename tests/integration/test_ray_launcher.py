@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from ..conftest import REPO, free_port
-from .ray_rig import RayNode, VerlWorker, probe, ray_env, wait_for
+from .ray_rig import RayNode, VerlWorker, probe, ray_env, stop_all, wait_for
 
 pytestmark = pytest.mark.integration
 ray = pytest.importorskip("ray")
@@ -91,7 +91,7 @@ def ray_cluster(tmp_path_factory):
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        left = [pid for node in nodes for pid in node.stop()]
+        left = stop_all(nodes)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left after SIGKILL: {left}"
 

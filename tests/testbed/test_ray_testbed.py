@@ -28,7 +28,7 @@ import yaml
 from tensorhub_cli.bench.testbed import enter
 
 from ..conftest import REPO, free_port
-from ..integration.ray_rig import RayNode, ray_env, wait_for
+from ..integration.ray_rig import RayNode, ray_env, stop_all, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 pytest.importorskip("ray")
@@ -135,7 +135,7 @@ def test_ray_cluster_on_testbed_nodes_follows_joins_and_leaves_during_a_read(bui
     finally:
         down = th_in("n1", home, "down", "-c", name, check=False)
         print(down.stdout, down.stderr)
-        left = [pid for node in ray_nodes.values() for pid in node.stop()]
+        left = stop_all(list(ray_nodes.values()))
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert down.returncode == 0, down.stderr
     assert not left, f"Ray processes left after SIGKILL: {left}"

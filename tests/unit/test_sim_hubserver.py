@@ -1,5 +1,5 @@
 """What the simulated hub core charges: the real hub's CPU, without the cyclic
-collector's full passes over the simulator's heap (``sim.hubserver.FullPasses``)."""
+collector's full passes over the simulator's heap (``sim.hubhost.FullPasses``)."""
 
 import gc
 import time
@@ -8,9 +8,10 @@ import pytest
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.machine import Hub, HubConfig
-from tensorhub_cli.sim import hubserver
+from tensorhub_cli.sim import hubhost
 from tensorhub_cli.sim.events import Loop
-from tensorhub_cli.sim.hubserver import FullPasses, HubServer
+from tensorhub_cli.sim.hubhost import FullPasses
+from tensorhub_cli.sim.hubserver import HubServer
 
 
 def info(name: str) -> p.EndpointInfo:
@@ -33,7 +34,7 @@ def test_a_full_pass_over_the_simulators_heap_is_not_charged_to_the_hub(monkeypa
         gc.collect()
         return Hub.register(hub, now, op)
 
-    monkeypatch.setitem(hubserver._OPS, p.Register, register)
+    monkeypatch.setitem(hubhost._OPS, p.Register, register)
     loop, srv = server()
     srv.call(p.Register(info=info("a")), None)
     loop.run(until=1.0)
@@ -57,7 +58,7 @@ def test_a_hub_call_that_raises_leaves_no_callback_behind(monkeypatch):
         raise RuntimeError("a bug in the hub")
 
     before = list(gc.callbacks)
-    monkeypatch.setitem(hubserver._OPS, p.Register, broken)
+    monkeypatch.setitem(hubhost._OPS, p.Register, broken)
     loop, srv = server()
     srv.call(p.Register(info=info("a")), None)
     with pytest.raises(RuntimeError, match="a bug in the hub"):
