@@ -46,7 +46,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 OUTCOME_TAG = "[th-supervise] outcome "

@@ -98,7 +98,7 @@ class HubParams(Strict):
     cpu_scale: float = Field(1.0, gt=0, description="hub CPU here x this = hub CPU on the target machine")
     request_overhead_s: float = Field(3e-05, ge=0, description="per request: decode, encode, socket")
     own_process: bool = Field(True, description="with charge_cpu, the real hub runs in a process of its own, as "
-                              "deployed: its CPU is not the simulator's heap crowding its caches (sim.hubhost)")
+                              "deployed, awake while it has requests queued (sim.hubhost, 'Warm and cold')")
     muster_s: float = Field(MUSTER_S, ge=0, le=10, description="a new swarm's first plans within this long are laid "
                             "out together, by rack and node (``hub.mustering``; the hub's --muster-s)")
 

@@ -1,5 +1,6 @@
 """``sim.hubhost``: the hub in a process of its own answers as the hub in this one does,
-fails loudly (never hangs) when its process breaks, and leaves no process behind."""
+stays awake from a call until its queue runs empty (never on one core), fails loudly
+(never hangs) when its process breaks, and leaves no process behind."""
 
 import os
 import signal
