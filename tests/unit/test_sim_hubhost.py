@@ -41,7 +41,7 @@ def script() -> list:
     ]
 
 
-def test_the_hub_in_its_own_process_answers_as_the_hub_here(tmp_path):
+def test_the_hub_in_its_own_process_answers_as_the_hub_here():
     here, there = HubHere(fresh()), HubProcess(fresh())
     proc = there._proc
     try:
