@@ -228,6 +228,10 @@ class Endpoint:
                 have.reading = have.reading + [r for r in extra.reading if r.chunk not in known]
         return list(out.values())
 
+    def filling(self) -> list[p.Filling]:
+        """What a beat carries: how far each fetch running here is (``Heartbeat.filling``)."""
+        return self.replicas.filling()
+
     def holds_memory(self) -> bool:
         return bool(self.replicas)
 

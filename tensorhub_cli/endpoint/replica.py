@@ -108,6 +108,17 @@ class Replica:
             return None
         return sum(len(m.chunks) for m in self.shards)
 
+    def filling(self) -> Optional[p.Filling]:
+        """Our progress for a beat (``Heartbeat.filling``) while a fetch fills this
+        replica: None for a publisher's shard, a complete replica, or nothing verified yet."""
+        if self.rank >= 0 or self.complete:
+            return None
+        mask = 0
+        with self.lock:
+            for c in self.held:
+                mask |= 1 << c
+        return p.Filling(model=self.model, version=self.version, held=p.bitset(mask)) if mask else None
+
     def mark_held(self, chunks: Iterable[int]) -> None:
         """Count ``chunks`` (global ids, verified) held, and answer every wait that asked
         for one of them with the asked chunks held now. Callable from any thread."""

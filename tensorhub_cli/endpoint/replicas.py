@@ -82,6 +82,10 @@ class Replicas:
         with self._lock:
             return {h.key: h.holding() for h in self._table.values()}
 
+    def filling(self) -> list[p.Filling]:
+        """``Replica.filling`` of every replica a fetch is filling now (a beat's)."""
+        return [f for h in self.all() if (f := h.filling()) is not None]
+
     def overlapping(self, regions) -> list[Replica]:
         """The replicas now whose memory overlaps ``regions``."""
         return [h for h in self.all() if h.overlaps(regions)]

@@ -9,7 +9,9 @@ the next beat meets ``unknown_endpoint``; a Register repeated with the same inca
 keeps every pin and pending unpublish at the hub (contract 3). ``fenced`` means another
 process replaced us under our name: the thread stops for good (no more beats), and
 ``fenced`` says why, so fetches in progress and later calls fail naming it. Each beat
-also reaps reads a failed fetch left behind (``Endpoint.reap``). The hub takes any
+also reaps reads a failed fetch left behind (``Endpoint.reap``), and carries how far
+each fetch running here is (``Endpoint.filling``: operators watch it at the hub, as a
+reader reports to the hub once per fetch, at its end). The hub takes any
 plan of ours for a beat too: a beat falling due less than ``heartbeat_s`` after the
 hub answered one of our plans (``Endpoint.heard``) is put off to a period after that
 answer, so the hub still hears from us at least once a period.
@@ -94,7 +96,8 @@ class Service:
                 self._registration_seen.notify_all()
             return
         try:
-            self.client.call(p.Heartbeat(name=self.ep.name, incarnation=self.ep.incarnation), timeout=timeout)
+            self.client.call(p.Heartbeat(name=self.ep.name, incarnation=self.ep.incarnation,
+                                         filling=self.ep.filling()), timeout=timeout)
         except HubError as exc:
             if exc.code != "unknown_endpoint":
                 raise

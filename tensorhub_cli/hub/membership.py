@@ -5,7 +5,9 @@
   live process under a name is refused; a restarted one (new pid) replaces the old.
   The same incarnation registering again (its heartbeat reply was slow, so it was
   unsure the hub still knew it) keeps everything: pins, reads, a pending unpublish.
-- ``heartbeat``: keeps it alive, and so does a plan as it arrives (``heard``);
+- ``heartbeat``: keeps it alive, and so does a plan as it arrives (``heard``); a
+  reader's beat also tells how far its fetches are (``Heartbeat.filling``), which
+  operators see; its reports alone make it a holder of chunks;
   ``expire(now)`` drops every endpoint silent for longer than ``expiry_s``.
 - ``excuse``: silence is counted only while the hub listens. When the hub's own
   process heard nothing for a while (descheduled, paused), the beats sent meanwhile are
@@ -52,6 +54,11 @@ def register(hub: HubState, now: float, op: p.Register) -> p.Ok:
 
 def heartbeat(hub: HubState, now: float, op: p.Heartbeat) -> p.Ok:
     hub.endpoint(op.name, op.incarnation).last_seen = now
+    for f in op.filling:  # (display only: a version or replica gone meanwhile is no error)
+        v = hub.models.get(f.model, {}).get(f.version)
+        rep = v.replicas.get(op.name) if v is not None else None
+        if rep is not None and rep.rank < 0:
+            rep.told = int.from_bytes(f.held, "little") & v.full
     return p.Ok()
 
 

@@ -136,9 +136,21 @@ class Register(Msg, tag="register"):
     holdings: list[Holding] = []
 
 
+class Filling(Msg):
+    """A reader's progress on a replica it is filling, for operators to watch: the
+    chunks it has verified so far, as a bitset (``Plan.held``). Carried by its beats;
+    the hub shows it (``HolderStatus.held_bytes``) and plans nothing from it: a chunk is
+    served from a reader once its report (``Plan.held``) says so."""
+
+    model: str
+    version: int
+    held: bytes = b""
+
+
 class Heartbeat(Msg, tag="heartbeat"):
     name: str
     incarnation: str = ""
+    filling: list[Filling] = []  # the replicas it is filling, while a fetch runs
 
 
 class Deregister(Msg, tag="deregister"):

@@ -78,6 +78,9 @@ class Replica:
     # re-registered yet may still be reading it, so its drain waits out the restart's
     # grace period. A replica the hub saw begin has no reads it does not know of.
     restored: bool = False
+    # Chunks the reader's last beat said it had verified (``Heartbeat.filling``): shown
+    # to operators while its fetch runs, never planned from (its reports make ``held``).
+    told: int = 0
 
 
 @dataclass
@@ -289,7 +292,7 @@ class Version:
 
     def status(self, reliable=lambda name: False) -> p.VersionStatus:
         holders = [
-            p.HolderStatus(name=name, held_bytes=self.bytes_of(r.held), complete=self.complete(name),
+            p.HolderStatus(name=name, held_bytes=self.bytes_of(r.held | r.told), complete=self.complete(name),
                            reliable=reliable(name), draining=name in self.draining)
             for name, r in sorted(self.replicas.items())
         ]

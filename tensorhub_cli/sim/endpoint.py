@@ -73,7 +73,10 @@ class SimEndpoint:
         self.world.hub.call(p.Register(info=self.info), done)
 
     def heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat(name=self.name, incarnation=self.name)
+        """A beat, telling how far each fetch running here is (as ``endpoint.service``'s)."""
+        filling = [p.Filling(model=f.model, version=f.version, held=p.bitset(told))
+                   for f in self.fetches if f.active and (told := f.told())]
+        return p.Heartbeat(name=self.name, incarnation=self.name, filling=filling)
 
     def publish(self, model: str, version: int, manifest: p.Manifest, rank: int, world: int,
                 then: Callable[[], None]) -> None:
@@ -142,6 +145,10 @@ class Fetch:
     @property
     def active(self) -> bool:
         return not self.finished and self.ep.alive and self.ep.world.running
+
+    def told(self) -> int:
+        """(A beat's ``Filling``.) Nothing: a window's plan reports as it goes."""
+        return 0
 
     def start(self) -> None:
         if self.resolve is not None:

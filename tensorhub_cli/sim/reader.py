@@ -53,6 +53,10 @@ class ScheduledFetch:
         """Chunks verified so far."""
         return set(self.core.by[core.HELD]) if self.core else set()
 
+    def told(self) -> int:
+        """The chunks verified so far, as a mask (a beat's ``Filling``)."""
+        return p.mask_of(self.core.by[core.HELD]) if self.core else 0
+
     @property
     def key(self) -> tuple[str, int]:
         return self.model, self.version

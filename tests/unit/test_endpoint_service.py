@@ -52,7 +52,7 @@ class SlowClient:
 
 def fake_endpoint() -> SimpleNamespace:
     return SimpleNamespace(name="e", incarnation="i1", info=p.EndpointInfo(name="e", node="n", incarnation="i1"),
-                           holdings=lambda: [], holds_memory=lambda: False,
+                           holdings=lambda: [], filling=lambda: [], holds_memory=lambda: False,
                            engine=SimpleNamespace(needs_progress=False), peer=SimpleNamespace(last_ask=0.0),
                            reap=lambda call: None, heard_at=float("-inf"))
 

@@ -52,6 +52,19 @@ def test_a_verified_chunk_counts_only_after_its_checksum_and_the_last_one_report
     assert kinds(r.step(0.3, [core.Answer([], complete=True)])) == ["Done"]
 
 
+def test_by_default_a_fetch_reports_once_at_its_end_not_while_reads_run():
+    n = 20
+    r = core.Reader((1 << n) - 1, window=n, per_source=n)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(c, "p", True, False) for c in range(n)])])
+    for c in range(n - 1):  # all but one verified while the last still reads: no report yet
+        r.step(0.1 + c, [core.Landed(c, True)])
+        assert not [a for a in r.step(0.2 + c, [core.Checked(c, True)]) if isinstance(a, core.Ask)], c
+    r.step(n, [core.Landed(n - 1, True)])
+    [ask] = [a for a in r.step(n + 0.1, [core.Checked(n - 1, True)]) if isinstance(a, core.Ask)]
+    assert sorted(ask.done) == list(range(n)) and r.asks == 2
+
+
 def test_a_corrupt_chunk_is_reported_failed_at_once_and_read_again_from_the_new_source():
     r = core.Reader(0b11, report_every=100)
     r.step(0.0)

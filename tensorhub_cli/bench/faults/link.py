@@ -20,7 +20,7 @@ import time
 from ...hub import protocol as p
 from ..rig import Driven, HubProcess, RigError
 from ..testbed import Site, testbed
-from .rows import EXPIRY_S, FIRST_REPORT, Run, fetch_row, row
+from .rows import EXPIRY_S, MID_FETCH, Run, fetch_row, row
 
 READ_TIMEOUT_S = 2.0  # the reader gives up on a silent read after this
 
@@ -57,7 +57,7 @@ def link_down(mib: float, engine: str, timeout: float, window: int, serve_bps: i
                 # cut the link of the holder that served most of the unfaulted fetch
                 cut, victim = ("n2", source) if base["stats"]["from_publishers"] * 2 > r.nbytes else ("n3", holder)
                 r.send_fetch(reader, "ld", 1)
-                held = r.wait_held("ld", 1, reader, FIRST_REPORT)
+                held = r.wait_held("ld", 1, reader, MID_FETCH)
                 f = min(held / r.nbytes, 1.0)
                 t_cut = time.monotonic()
                 _link(state, cut, "down")

@@ -14,7 +14,7 @@ from pathlib import Path
 from ...hub import protocol as p
 from ...launch.procs import kill_child, stop_child
 from ..rig import Driven, RigError
-from .rows import EXPIRY_S, FIRST_REPORT, HEARTBEAT_S, REBUILD_S, Run, fetch_row, row
+from .rows import EXPIRY_S, MID_FETCH, HEARTBEAT_S, REBUILD_S, Run, fetch_row, row
 
 
 def kill_source(r: Run, procs: dict) -> tuple[dict, Driven]:
@@ -27,7 +27,7 @@ def kill_source(r: Run, procs: dict) -> tuple[dict, Driven]:
     # kill the holder that served most of the unfaulted fetch
     victim, survivor = (a, b) if base["stats"]["from_publishers"] * 2 > r.nbytes else (b, a)
     r.send_fetch(reader, "ks", 1)
-    held = r.wait_held("ks", 1, reader, FIRST_REPORT)
+    held = r.wait_held("ks", 1, reader, MID_FETCH)
     f = min(held / r.nbytes, 1.0)
     t_kill = time.monotonic()
     victim.kill()
@@ -49,7 +49,7 @@ def kill_reader(r: Run, source: Driven, victim: Driven) -> dict:
         raise RigError(f"kill_reader setup: unfaulted unpublish: {base['error']}")
     r.publish(source, "kr", 2)
     r.send_fetch(victim, "kr", 2)
-    held = r.wait_held("kr", 2, victim, FIRST_REPORT)
+    held = r.wait_held("kr", 2, victim, MID_FETCH)
     t_kill = time.monotonic()
     victim.kill()
     res = r.unpublish(source, "kr", 2)
@@ -67,7 +67,7 @@ def kill_hub(r: Run, source: Driven, reader: Driven) -> dict:
     r.publish(source, "kh", 1)
     base = r.unfaulted("kill_hub", reader, "kh", 1)
     r.send_fetch(reader, "kh", 1)
-    held = r.wait_held("kh", 1, reader, FIRST_REPORT)
+    held = r.wait_held("kh", 1, reader, MID_FETCH)
     t_kill = time.monotonic()
     r.hub.kill()
     r.hub.start()
@@ -102,7 +102,7 @@ def slow_heartbeat(r: Run, source: Driven, reader: Driven) -> dict:
     base = r.unfaulted("slow_heartbeat", reader, "sh", 1)
     expiries = r.counters().get("expiries", 0)
     r.send_fetch(reader, "sh", 1)
-    held = r.wait_held("sh", 1, reader, FIRST_REPORT)
+    held = r.wait_held("sh", 1, reader, MID_FETCH)
     os.kill(source.proc.pid, signal.SIGSTOP)
     try:
         time.sleep(pause)

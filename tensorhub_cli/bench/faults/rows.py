@@ -13,10 +13,9 @@ POLL_S = 0.01
 HEARTBEAT_S = 0.2  # the driven endpoints' heartbeat
 EXPIRY_S = 2.0  # the hub drops a silent endpoint after this; also its grace after a restart
 REBUILD_S = 10 * EXPIRY_S  # a restarted hub's registry must be rebuilt within this
-# A fault lands once the hub has the reader's first report: readers report about half
-# their chunks at a time (``endpoint.reader.batch``), so a share past that first report
-# would be its last, and the fault would land after the read.
-FIRST_REPORT = 0.25
+# A fault lands once the reader's beats (every ``HEARTBEAT_S``: ``Heartbeat.filling``)
+# say it holds this share: mid-read, as its fetch reports to the hub only at its end.
+MID_FETCH = 0.25
 
 
 class Run:
