@@ -11,6 +11,8 @@ failed only once the engine confirms the transfer stopped. Invariant (c) counts
 zombies as live transfers: no unpublish is acknowledged while one can still touch
 the source's buffer. A slow heartbeat makes a process register again with the same
 incarnation (nothing may be released); ops from a replaced incarnation are fenced.
+Beats tell the hub how far readers are (``Heartbeat.filling``), here counting chunks
+still in flight: the hub may show it, never plan from it.
 
 An operator may withdraw a version (``th unpublish``: all holders, or one node's): the
 hub then drains those replicas itself and tells their holders to unpublish, which they
@@ -614,8 +616,21 @@ class HubMachine(RuleBasedStateMachine):
         self.now += dt
         for proc in self.procs.values():
             if proc.registered and proc.name not in silent:
-                got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name, incarnation=proc.incarnation))
+                got = self.call(self.hub.heartbeat, p.Heartbeat(name=proc.name, incarnation=proc.incarnation,
+                                                                filling=self.filling(proc)))
                 assert not isinstance(got, HubFault), got
+
+    @staticmethod
+    def filling(proc: Proc) -> list[p.Filling]:
+        """A beat's progress, told too early on purpose: every chunk in flight counts as
+        verified, so a hub that planned from what beats tell would fail (b) (a source
+        lacking the chunk) or (m)."""
+        out = []
+        for key in set(proc.chunks) | set(proc.reading) | set(proc.waiting):
+            told = proc.chunks.get(key, set()) | set(proc.in_flight(key))
+            if told:
+                out.append(p.Filling(model=key[0], version=key[1], held=p.bitset(p.mask_of(told))))
+        return out
 
     @rule(dt=st.sampled_from([2.0, 6.0, 12.0]))
     def hub_stalls(self, dt):
