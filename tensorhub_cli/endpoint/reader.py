@@ -155,9 +155,9 @@ def batch(n: int) -> int:
     progress only there: children learn of our chunks from our notices, not from it;
     operators see how far we are from our beats (``Heartbeat.filling``), which we send
     anyway; a drain of one of our sources now waits for our last report, not our last
-    read from it, and in a chain the two end a fragment apart. A report half way cost the simulated hub at 4,096
-    rollout GPUs 0.73 CPU-s a version against 0.33 without (docs/design.md, "One
-    report per fetch")."""
+    read from it, and in a chain the two end a fragment apart. A report half way cost
+    the simulated hub at 4,096 rollout GPUs 0.73 CPU-s a version against 0.33 without
+    (docs/design.md, "One report per fetch")."""
     return max(1, n)
 
 
