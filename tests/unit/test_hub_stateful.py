@@ -623,8 +623,8 @@ class HubMachine(RuleBasedStateMachine):
     @staticmethod
     def filling(proc: Proc) -> list[p.Filling]:
         """A beat's progress, told too early on purpose: every chunk in flight counts as
-        verified, so a hub that planned from what beats tell would fail (b) (a source
-        lacking the chunk) or (m)."""
+        verified. A hub that planned from what beats tell would name a source lacking
+        the chunk, (b); one that took a beat for a report fails (c) and (j) (checked)."""
         out = []
         for key in set(proc.chunks) | set(proc.reading) | set(proc.waiting):
             told = proc.chunks.get(key, set()) | set(proc.in_flight(key))
