@@ -147,7 +147,8 @@ class Fetch:
         return not self.finished and self.ep.alive and self.ep.world.running
 
     def told(self) -> int:
-        """(A beat's ``Filling``.) Nothing: a window's plan reports as it goes."""
+        """(A beat's ``Filling``.) Nothing: a window's plans report as they go. (A real
+        windowed fetch's beats carry its progress too; their cost is not modelled here.)"""
         return 0
 
     def start(self) -> None:
