@@ -113,10 +113,8 @@ class Replica:
         replica: None for a publisher's shard, a complete replica, or nothing verified yet."""
         if self.rank >= 0 or self.complete:
             return None
-        mask = 0
         with self.lock:
-            for c in self.held:
-                mask |= 1 << c
+            mask = p.mask_of(self.held)
         return p.Filling(model=self.model, version=self.version, held=p.bitset(mask)) if mask else None
 
     def mark_held(self, chunks: Iterable[int]) -> None:
