@@ -56,8 +56,9 @@ method takes one, per call: ``heartbeat_s``, ``read_timeout_s``, ``plan_timeout_
 below the holders' ``peer_idle_s``).
 
 Threads: the caller's (publish, fetch, unpublish), the service thread (register,
-heartbeat, engine progress), the command workers (the handler), the peer server
-(``peer``), the verifier pool and the tcp engine's read pool. Every thread that calls
+heartbeat, the engine's serving pace), the command workers (the handler), the peer
+server (``peer``), the verifier pool, the tcp engine's read pool and the engine's
+watcher (our reads' ends; the engine's progress at that pace). Every thread that calls
 the hub has a hub socket of its own (``hub_sockets``), so an unpublish waiting for its
 drain holds up no other thread's call. Replica records are shared under the replica
 table's lock (``replicas``).
@@ -100,7 +101,7 @@ from .peer import IDLE_S as PEER_IDLE_S
 from .peer import PeerServer
 from .registrations import REG_CACHE_BYTES, Registrations, cap_bytes
 from .replicas import Replicas
-from .service import Service
+from .service import HOT_S, Service
 from .zombies import Zombies
 
 log = logging.getLogger("tensorhub.endpoint")
@@ -134,7 +135,7 @@ class Endpoint:
         # Checksums of fetched chunks, off the fetch loop's thread (the hash releases the GIL).
         self.verifiers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="th-verify")
         self.peer = PeerServer(host, token, self.replicas.describe, self.served, idle_s=peer_idle_s,
-                               replica=self.replicas.get)
+                               replica=self.replicas.get, on_ask=self._asked)
         # A fresh incarnation per Endpoint: re-registering with it after a slow beat keeps
         # our pins and pending unpublish at the hub; a newer process under our name
         # fences this one (contract 3). A supervised runner's first Endpoint takes the
@@ -231,6 +232,13 @@ class Endpoint:
     def filling(self) -> list[p.Filling]:
         """What a beat carries: how far each fetch running here is (``Heartbeat.filling``)."""
         return self.replicas.filling()
+
+    def _asked(self) -> None:
+        """A peer asked us something (the peer server's thread): its reads of our memory
+        are served at the hot pace from now on; the service thread slows it down again
+        once nobody asked for ``hot_s`` (``service``)."""
+        if self.engine.needs_progress:
+            self.engine.pace(HOT_S)
 
     def holds_memory(self) -> bool:
         return bool(self.replicas)

@@ -7,7 +7,9 @@ replica ``replica((model, version))`` finds: it awaits ``Replica.await_held`` (w
 ``Replica.mark_held``, or ``mark_landed`` for an ask with ``after``; never polled) for
 at most the ask's ``timeout_s``, capped at ``await_cap_s`` (default ``AWAIT_CAP_S``, 30
 s, well inside ``idle_s``); a server built without ``replica`` refuses every ``Await``
-as ``not_found``. A connection is closed after an ask refused for its frame or token
+as ``not_found``. ``on_ask`` (optional) is called on the server's thread with every
+authenticated ask, after ``last_ask`` is set (the endpoint speeds its engine's serving
+up at once: ``service``); it must be quick. A connection is closed after an ask refused for its frame or token
 (too large, malformed, auth; an answer that refuses what was asked, ``not_found`` or
 ``bad_request``, leaves it open); an idle connection is closed after ``idle_s``
 (default ``IDLE_S``, 300 s: readers' tcp engines drop their pooled connections well
@@ -40,8 +42,9 @@ class PeerServer:
     def __init__(self, host: str, token: str, describe: Callable[[wire.Describe], wire.Described | wire.Refused],
                  regions: Regions, *, idle_s: float = IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S,
                  replica: Optional[Callable[[tuple[str, int]], Optional[Replica]]] = None,
-                 await_cap_s: float = AWAIT_CAP_S):
+                 await_cap_s: float = AWAIT_CAP_S, on_ask: Optional[Callable[[], None]] = None):
         self._token = token.encode()
+        self._on_ask = on_ask
         self._replica = replica
         self._await_cap_s = await_cap_s
         self._describe = describe
@@ -72,6 +75,8 @@ class PeerServer:
                     await self._refuse(writer, "auth", "bad token or peer wire version")
                     return
                 self.last_ask = time.monotonic()
+                if self._on_ask is not None:
+                    self._on_ask()
                 if isinstance(ask.op, (wire.ReadBytes, wire.ReadRanges)):
                     await serve_read(writer, self._regions, ask.op, send_timeout=self._send_timeout_s)
                 elif isinstance(ask.op, wire.Await):

@@ -22,9 +22,12 @@ a protocol the hub does not speak) also stops the thread at once, with one log l
 waits for the registration (``connect``) instead of letting them wait out their timeout.
 
 Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
-1 ms while readers are at our memory (the engine's passive side must progress for
-peers' reads to finish), 10 ms while we hold memory nobody asked about lately, 50 ms
-otherwise. Commands run on worker threads through the endpoint's command handler (see
+50 ms. Each slice it also sets the pace at which the engine's passive side is progressed
+(an engine that ``needs_progress``: peers' reads of our memory stall without it), which
+the engine's own watcher thread keeps (``Engine.pace``): every 1 ms (``HOT_S``) while
+readers are at our memory (a peer's ask within ``hot_s``; the ask itself sets it at
+once: ``Endpoint``), every 10 ms (``WARM_S``) while we hold memory nobody asked about
+lately, not at all when we hold none. Commands run on worker threads through the endpoint's command handler (see
 ``endpoint.commands``), so a long fetch never stalls heartbeats: ``retain`` and
 ``discard`` on one worker, every other command on another, each worker one command at
 a time in the order they came. A retention pull (which an unpublish elsewhere waits
@@ -51,6 +54,9 @@ from ..hub.client import HubClient, HubError, HubUnreachable
 
 log = logging.getLogger("tensorhub.endpoint")
 FINAL = frozenset({"auth", "version"})  # refusals the same request will always get
+HOT_S = 1e-3  # the engine's pace while peers read our memory: a READ's rendezvous waits at most this for us
+WARM_S = 1e-2  # ... while we hold memory nobody asked about lately
+SLICE_S = 0.05  # how long the thread waits on the hub socket between its other duties
 
 
 class Service:
@@ -148,17 +154,16 @@ class Service:
                     log.warning("%s: %s", self.ep.name, exc)
                 next_beat = now + self.heartbeat_s
                 self._reap()
-            holding = self.ep.holds_memory() and self.ep.engine.needs_progress
+            if self.ep.engine.needs_progress:
+                self._pace(now)
             try:
-                self.client.poll_pushed(self._slice(holding, now))
+                self.client.poll_pushed(SLICE_S)
             except Exception as exc:  # a garbled push must not stop heartbeats
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
                 cmd = self.client.pushed.popleft()
                 retention = getattr(cmd, "action", None) in ("retain", "discard")
                 (self.retention if retention else self.commands).put(cmd)
-            if holding:
-                self.ep.engine.progress()
 
     def _refuse(self, exc: HubError) -> None:
         why = p.Error(code=exc.code, message=f"the hub at {self.client.address} refused {self.ep.name}: "
@@ -177,14 +182,18 @@ class Service:
                 raise HubError(self.refused)
             return self.registered.is_set()
 
-    def _slice(self, holding: bool, now: float) -> float:
-        """How long to wait for hub frames before progressing the engine again. While
-        readers are at us (a describe within ``hot_s``) a READ's rendezvous waits at most
-        1 ms for us; otherwise 10 ms, as a 1 ms loop costs a few percent of a core per
-        holder (docs/design.md, "Measurements behind the defaults")."""
-        if not holding:
-            return 0.05
-        return 0.001 if now - self.ep.peer.last_ask < self.hot_s else 0.01
+    def _pace(self, now: float) -> None:
+        """Set the engine's serving pace (see the module): a 1 ms loop costs a few percent
+        of a core per holder (docs/design.md, "Measurements behind the defaults"), so only
+        while readers are at us."""
+        asked = self.ep.peer.last_ask
+        if not self.ep.holds_memory():
+            pace = None
+        else:
+            pace = HOT_S if now - asked < self.hot_s else WARM_S
+        self.ep.engine.pace(pace)
+        if pace != HOT_S and self.ep.peer.last_ask != asked:  # (an ask came meanwhile: its pace stands)
+            self.ep.engine.pace(HOT_S)
 
     def _work(self, commands: queue.SimpleQueue | None = None) -> None:
         commands = self.commands if commands is None else commands

@@ -210,18 +210,27 @@ class Engine(ABC):
             watcher = self.__dict__.get("_watch")
             if watcher is None:
                 watcher = self.__dict__["_watch"] = Watcher(self.states_of, name=f"th-watch-{self.kind}",
-                                                            max_s=self.watch_ceiling_s)
+                                                            max_s=self.watch_ceiling_s,
+                                                            serve=self.progress if self.needs_progress else None)
         return watcher
 
     def _stop_watching(self, timeout: float = 5.0) -> None:
-        """Stop the watcher thread, if ``when_over`` ever started one (every ``close``)."""
-        watcher = self.__dict__.get("_watch")
-        if watcher is not None:
-            watcher.close(timeout)
+        """Stop the watcher thread, if ``when_over`` or ``pace`` ever started one (every
+        ``close``). A watcher never made is made closed, so a late ``pace`` starts none."""
+        self._watcher().close(timeout)
+
+    def pace(self, every_s: float | None) -> None:
+        """Serve peers' reads of our memory: ``progress`` at least every ``every_s`` from
+        the engine's watcher thread, whose checks of our own reads ride on the same wakes
+        (``engines.watcher``); None: nothing of ours is being read, stop. Once it returns
+        the caller need not call ``progress`` itself. Engines that do not
+        ``needs_progress`` ignore it; after ``close`` it does nothing."""
+        if self.needs_progress:
+            self._watcher().pace(every_s)
 
     def progress(self) -> None:
-        """Let the transport serve peers' reads of our memory; called every millisecond
-        or so by the endpoint's service thread while it holds anything. Never blocks."""
+        """Let the transport serve peers' reads of our memory; the watcher calls it at
+        the pace the endpoint sets (``pace``). Never blocks."""
 
     def close(self) -> None:
         """Stop the engine (and its watcher thread); the caller makes no further call on it."""

@@ -12,8 +12,10 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   InfiniBand device (there UCX's IB module makes a process that created a backend die
   with SIGSEGV at exit); ``UCX_NET_DEVICES`` from the node's spec; a user's own
   ``UCX_*`` variables always win.
-- Who progresses UCX: our endpoint's service thread calls ``progress``, every millisecond
-  while peers are reading us, every 10 ms otherwise; NIXL's own UCX progress thread,
+- Who progresses UCX: this engine's watcher thread calls ``progress`` at the pace the
+  endpoint sets (``Engine.pace``: every millisecond while peers are reading us, every
+  10 ms while we hold memory nobody asked about, not at all otherwise), and its checks
+  of our own READs ride on the same wakes; NIXL's own UCX progress thread,
   event-driven, only with ``TH_NIXL_PROGRESS_THREAD=1`` (``nixl_progress``, which says
   why it is not the default: the wrapper's default makes it spin a full core, so we give
   it a 10 ms poll timeout and it sleeps on the worker's event descriptors).
@@ -50,15 +52,15 @@ its owner freed it).
 Completion. NIXL's Python API has no completion callback (``check_xfer_state`` and
 ``get_new_notifs`` are polls), so ``when_over`` is the base's: one watcher thread per
 engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms, or 4 ms where
-NIXL's progress thread moves the bytes, while reads
-are pending, asleep with no CPU while none is watched) checks every watched READ in one
-round under the lock; without NIXL's progress thread its checks also drive UCX
-progress for our READs. A transfer
+NIXL's progress thread moves the bytes, while reads are pending; while paced, at most
+one check a millisecond, on the serving wakes; asleep with no CPU while none is
+watched and nothing paced) checks every watched READ in one round under the lock;
+without NIXL's progress thread its checks also drive UCX progress for our READs. A transfer
 already released (given up, or by ``close``) is never checked again: it reads "failed".
 ``close`` stops the thread.
 
-NIXL calls are serialized by one lock: the fetch loop, the service thread's progress
-and the peer server's ``describe`` run on different threads.
+NIXL calls are serialized by one lock: the fetch loop, the watcher's checks and
+progress, and the peer server's ``describe`` run on different threads.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Who drives UCX progress for a NIXL agent: NIXL's own progress thread, woken by the
-network, or our endpoint's service thread, on a timer.
+network, or the engine's watcher thread, on the pace our endpoint sets.
 
 Why it matters. A one-sided READ over TCP or shared memory is emulated: the holder's
 UCX worker must be progressed to send the bytes. Progress on a timer costs CPU for as
-long as readers are at us, whatever they read (the service thread's 1 ms loop spent
+long as readers are at us, whatever they read (a 1 ms loop, then the service thread's, spent
 0.35–0.45 CPU-s serving 256 MiB over a 500 Mbit/s link; docs/design.md, "Measurements
 behind the defaults"). NIXL's UCX progress thread instead arms the worker and sleeps in
 ``poll`` on its event descriptors, so it wakes when bytes can move: 0.10 CPU-s for the
@@ -14,18 +14,18 @@ at 0, which makes the thread spin a full core, so ``make_agent`` sets it itself.
 Protocol. ``wanted(environ)`` says whether this process should run the thread;
 ``make_agent(nixl, name, thread)`` builds the agent accordingly and says whether the
 thread runs. With it, the engine does not need ``progress`` calls
-(``NixlEngine.needs_progress`` False); without it, the service thread calls
-``progress`` as before.
+(``NixlEngine.needs_progress`` False); without it, the watcher calls ``progress`` at
+the endpoint's pace (``Engine.pace``).
 
-When. Only with ``TH_NIXL_PROGRESS_THREAD=1``; by default (or ``0``) the service thread
+When. Only with ``TH_NIXL_PROGRESS_THREAD=1``; by default (or ``0``) the watcher
 progresses, on every host. Two reasons. On CUDA hosts the thread arms UCX's
 ``cuda_copy`` transport from a thread with no CUDA context, which NIXL issue #2102
 reports crashing with SIGSEGV (there RDMA reads need no progress from the holder
 anyway). And since a chain's chunks are read in fragments (``endpoint.reader``), reads
 are short (17 ms for 1 MiB at 500 Mbit/s), and the thread noticed their ends late: on
 the 8-node testbed, N = 7, the watcher found a read over a median 3.5 ms after the last
-check that found it pending, against 1.1 ms with the service thread's progress (whose
-checks drive UCX themselves), and the version took 2.85–3.07 s against 2.55–2.76 s
+check that found it pending, against 1.1 ms with the service thread's progress (the
+watcher's checks drove UCX themselves), and the version took 2.85–3.07 s against 2.55–2.76 s
 (docs/design.md, "Fragments").
 """
 
@@ -83,7 +83,7 @@ def make_agent(nixl: ModuleType, name: str, thread: bool, delay_us: int = DELAY_
     the caller progresses the agent itself. Once it returns, the agent is ready for use."""
     if thread and not settable(nixl):
         log.warning("this NIXL wrapper (%s) offers no progress-thread delay; progressing UCX from the "
-                    "endpoint's service thread instead", getattr(nixl, "__name__", nixl))
+                    "engine's watcher thread instead", getattr(nixl, "__name__", nixl))
         thread = False
     config = nixl.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
     if not thread:

@@ -20,6 +20,16 @@ while they stay pending (back to ``FIRST_S`` whenever one ends or a new one is w
 and sleeps on its condition, with no timeout and no CPU, while nothing is watched.
 ``idle`` says it is asleep there and ``rounds`` counts its checks (tests read both).
 
+Pace. An engine whose passive side must be progressed for peers to read our memory
+(NIXL over UCX's TCP and shared-memory transports) has its watcher do that too:
+``pace(every_s)`` makes the thread call ``serve`` (the engine's ``progress``) at least
+every ``every_s`` (``None``: no longer), asleep in between; a round that checks our
+own reads serves too when it is due, so the checks below (their times unchanged: a
+check put off to the next serving would notice a fast read's end up to a pace late)
+and the serving share their wakes. One thread wakes where two did (the endpoint's
+service thread progressed on a 1 ms timer, the watcher checked on its own; docs/
+design.md, "One progress driver"). ``served`` counts the ``serve`` calls.
+
 Predicted ends. A fetch's reads share their links alike, so the watcher learns the
 rate of the last ``SAMPLES`` transfers that ended (bytes, as ``watch`` is told them,
 over the time from its watch to the last check that found it pending: never more than
@@ -41,7 +51,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from .base import EngineError, State
 
@@ -65,8 +75,12 @@ def deliver(fn: Over, state: State) -> None:
 
 
 class Watcher:
-    def __init__(self, check: Check, name: str = "th-watch", *, first_s: float = FIRST_S, max_s: float = MAX_S):
+    def __init__(self, check: Check, name: str = "th-watch", *, first_s: float = FIRST_S, max_s: float = MAX_S,
+                 serve: Optional[Callable[[], None]] = None):
+        """``serve``: what ``pace`` calls (the engine's ``progress``); None: ``pace`` is refused."""
         self._check = check
+        self._serve = serve
+        self._pace: float | None = None  # serve at least this often (s); None: not at all
         self._name = name
         self._first_s, self._max_s = first_s, max_s
         self._cond = threading.Condition()
@@ -77,8 +91,9 @@ class Watcher:
         self._fresh = False  # a watch came in since the last round: start the back-off again
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.idle = False  # blocked on the condition, nothing watched (no timeout: no CPU)
+        self.idle = False  # blocked on the condition, nothing watched, not paced (no timeout: no CPU)
         self.rounds = 0  # checks made by the thread
+        self.served = 0  # ``serve`` calls made by the thread
         self.dropped = 0  # watches still pending at close, never called back
 
     def watch(self, transfer: object, fn: Over, nbytes: int = 0) -> None:
@@ -98,6 +113,29 @@ class Watcher:
                 self._thread.start()
             self._cond.notify()
 
+    def pace(self, every_s: float | None) -> None:
+        """Call ``serve`` from this thread at least every ``every_s`` from now on (None:
+        stop). Once it returns the caller need not progress the engine itself; after
+        ``close`` it does nothing (nothing is left to serve)."""
+        with self._cond:
+            if self._closed or every_s == self._pace:
+                return
+            if every_s is not None and (self._serve is None or not every_s > 0):
+                raise EngineError(f"{self._name}: cannot serve every {every_s!r} s"
+                                  + ("" if self._serve else " (this engine has nothing to serve)"))
+            self._pace = every_s
+            if every_s is not None and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _serve_once(self) -> None:
+        try:
+            self._serve()
+        except Exception:
+            log.exception("%s: progressing the engine for its peers failed", self._name)
+        self.served += 1
+
     def _states(self, transfers: list) -> list:
         try:
             states = list(self._check(transfers))
@@ -110,9 +148,10 @@ class Watcher:
 
     def _run(self) -> None:
         delay = self._first_s
+        served = float("-inf")  # when ``serve`` last ran (this thread's clock)
         while True:
             with self._cond:
-                while not self._watched and not self._closed:
+                while not self._watched and not self._closed and self._pace is None:
                     self.idle = True
                     self._cond.wait()
                 self.idle = False
@@ -120,9 +159,14 @@ class Watcher:
                 if self._fresh:
                     delay, self._fresh = self._first_s, False
                 batch = list(self._watched.items())
+                pace = self._pace
+            if pace is not None and not last and time.monotonic() - served >= pace:
+                self._serve_once()
+                served = time.monotonic()
             checked = time.monotonic()
             states = self._states([t for _, (t, *_) in batch]) if batch else []
-            self.rounds += 1
+            if batch or last:
+                self.rounds += 1
             now = time.monotonic()
             over = [(key, fn, s) for (key, (_, fn, *_)), s in zip(batch, states) if s != "pending"]
             # A transfer's time is taken as of the last check that found it pending, not the
@@ -148,10 +192,14 @@ class Watcher:
             if over:
                 delay = self._first_s
                 continue
-            wait, delay = self._next(now, [(at, n) for _, (_, _, at, n) in batch], delay)
+            wait = float("inf")
+            if batch:
+                wait, delay = self._next(now, [(at, n) for _, (_, _, at, n) in batch], delay)
+            if pace is not None:  # (the next serving is due then, if no check comes first)
+                wait = min(wait, max(0.0, served + pace - time.monotonic()))
             with self._cond:
                 if not self._fresh and not self._closed:
-                    self._cond.wait(wait)
+                    self._cond.wait(None if wait == float("inf") else wait)
 
     def _next(self, now: float, pending: list[tuple[float, int]], delay: float) -> tuple[float, float]:
         """(How long to sleep before the next check, the back-off delay after it) for

@@ -200,3 +200,56 @@ def test_a_beat_due_within_a_period_of_an_answered_plan_is_put_off_never_dropped
         assert after and after[0] - until <= 0.2 + 0.1, (after, until)  # a period after the last answer
     finally:
         service.stop(join_timeout=1, deregister_timeout=0.1)
+
+
+class PacedEngine:
+    """An engine that needs progress and records the paces it is given."""
+
+    needs_progress = True
+
+    def __init__(self, on_pace=None):
+        self.paces: list = []
+        self.on_pace = on_pace
+
+    def pace(self, every_s):
+        self.paces.append(every_s)
+        if self.on_pace:
+            self.on_pace()
+
+
+def test_the_engine_is_paced_hot_while_peers_read_us_warm_while_we_hold_and_not_at_all_otherwise():
+    from tensorhub_cli.endpoint.service import HOT_S, WARM_S
+
+    holding = {"yes": False}
+    ep = fake_endpoint()
+    ep.engine, ep.holds_memory = PacedEngine(), lambda: holding["yes"]
+    service = Service(ep, SlowClient(beat_s=0.0), heartbeat_s=1.0, handler=lambda ep, cmd: None, hot_s=30.0)
+    ep.peer.last_ask = 100.0
+    service._pace(now=110.0)
+    assert ep.engine.paces[-1] is None  # (nothing of ours to read)
+    holding["yes"] = True
+    service._pace(now=110.0)
+    assert ep.engine.paces[-1] == HOT_S
+    service._pace(now=131.0)
+    assert ep.engine.paces[-1] == WARM_S
+
+    def ask_meanwhile():  # a peer's ask lands between reading ``last_ask`` and pacing
+        if ep.engine.paces[-1] == WARM_S:
+            ep.peer.last_ask = 131.0
+
+    ep.engine.on_pace = ask_meanwhile
+    service._pace(now=131.0)
+    assert ep.engine.paces[-2:] == [WARM_S, HOT_S], "a slower pace overrode the ask that came meanwhile"
+
+
+def test_a_peers_ask_paces_the_engine_hot_at_once():
+    """The ask itself (the peer server's thread) speeds serving up, not the service's next slice."""
+    from tensorhub_cli.endpoint.endpoint import Endpoint
+    from tensorhub_cli.endpoint.service import HOT_S
+
+    ep = SimpleNamespace(engine=PacedEngine())
+    Endpoint._asked(ep)
+    assert ep.engine.paces == [HOT_S]
+    ep.engine.needs_progress = False
+    Endpoint._asked(ep)
+    assert ep.engine.paces == [HOT_S]

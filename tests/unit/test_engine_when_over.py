@@ -196,27 +196,39 @@ def test_a_callback_that_raises_is_logged_and_the_watcher_goes_on(caplog):
         engine.close()
 
 
+class Checked:
+    """A watcher's ``check`` over ``states`` that records (when, transfer) per check."""
+
+    def __init__(self):
+        self.states: dict[int, str] = {}
+        self.at: list[tuple[float, int]] = []
+
+    def __call__(self, transfers):
+        self.at.extend((time.monotonic(), t) for t in transfers)
+        return [self.states[t] for t in transfers]
+
+
+def teach_10_mb_per_s(watcher, checked: Checked) -> None:
+    """Transfer 0: 1 MB over 0.1 s, so the watcher predicts the next at 10 MB/s."""
+    checked.states[0] = "pending"
+    first = Calls()
+    watcher.watch(0, first, nbytes=1_000_000)
+    time.sleep(0.1)
+    checked.states[0] = "done"
+    first.wait()
+
+
 def test_the_watcher_learns_the_rate_and_checks_a_transfer_only_near_its_predicted_end():
     """Once a sized transfer ended, the next one's end is predicted from its bytes: no
     check until most of that time passed (the back-off alone, capped at 4 ms, would
     check it dozens of times), and its end is still noticed promptly."""
     from tensorhub_cli.engines.watcher import Watcher
 
-    states: dict[int, str] = {}
-    checked: list[tuple[float, int]] = []
-
-    def check(transfers):
-        checked.extend((time.monotonic(), t) for t in transfers)
-        return [states[t] for t in transfers]
-
+    check = Checked()
+    states, checked = check.states, check.at
     watcher = Watcher(check, max_s=4e-3)
     try:
-        states[0] = "pending"
-        first = Calls()
-        watcher.watch(0, first, nbytes=1_000_000)
-        time.sleep(0.1)  # 1 MB in 0.1 s: 10 MB/s
-        states[0] = "done"
-        first.wait()
+        teach_10_mb_per_s(watcher, check)
         states[1] = "pending"
         second = Calls()
         t0 = time.monotonic()
@@ -257,6 +269,107 @@ def test_a_late_notice_does_not_teach_the_watcher_to_sleep_longer():
         assert max(late[2:]) < 0.1, f"noticed {late} s after each ended"
     finally:
         watcher.close()
+
+
+class Served:
+    """A ``serve`` (an engine's ``progress``) that counts its calls."""
+
+    def __init__(self):
+        self.at: list[float] = []
+
+    def __call__(self) -> None:
+        self.at.append(time.monotonic())
+
+
+def test_a_paced_watcher_serves_on_its_own_with_nothing_watched_and_sleeps_once_unpaced():
+    from tensorhub_cli.engines.watcher import Watcher
+
+    serve = Served()
+    watcher = Watcher(lambda ts: ["pending"] * len(ts), serve=serve)
+    try:
+        watcher.pace(0.005)
+        time.sleep(0.2)
+        assert 10 <= len(serve.at) <= 60, f"{len(serve.at)} serves in 0.2 s at a 5 ms pace"
+        assert not watcher.idle and watcher.rounds == 0  # (serving is not checking: nothing is watched)
+        watcher.pace(None)
+        deadline = time.monotonic() + 5
+        while not watcher.idle:
+            assert time.monotonic() < deadline, "the unpaced watcher never went to sleep"
+            time.sleep(0.005)
+        served = len(serve.at)
+        time.sleep(0.1)
+        assert watcher.idle and len(serve.at) == served, "the unpaced watcher kept serving"
+    finally:
+        watcher.close()
+
+
+def test_while_paced_a_read_near_its_predicted_end_is_checked_as_finely_and_serving_goes_on():
+    """Pacing adds serving wakes (a round then checks our reads too) but never coarsens
+    the checks near a read's predicted end (``expect / FINE`` apart): put off to the
+    pace, or to ``max_s``, a fast read's end would be noticed that late."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    check = Checked()
+    states, checked = check.states, check.at
+    serve = Served()
+    watcher = Watcher(check, max_s=4e-3, serve=serve)
+    try:
+        teach_10_mb_per_s(watcher, check)
+        watcher.pace(0.05)
+        states[1] = "pending"
+        second = Calls()
+        t0 = time.monotonic()
+        watcher.watch(1, second, nbytes=1_000_000)  # expected 0.1 s: checks 1.6 ms apart from 85 ms on
+        time.sleep(0.2)
+        states[1] = "done"
+        second.wait()
+        near = [at for at, t in checked if t == 1 and t0 + 0.09 < at < t0 + 0.2]
+        gaps = [b - a for a, b in zip(near, near[1:])]
+        typical = sorted(gaps)[len(gaps) // 2] if gaps else 1.0
+        assert typical < 3e-3, f"checks near the predicted end {typical * 1e3:.1f} ms apart (median)"
+        served = [at for at in serve.at if t0 < at < t0 + 0.2]
+        assert 3 <= len(served) <= 8, f"{len(served)} serves in 0.2 s at a 50 ms pace"
+    finally:
+        watcher.close()
+
+
+def test_pace_is_refused_without_serve_and_does_nothing_after_close(caplog):
+    from tensorhub_cli.engines.watcher import Watcher
+
+    with pytest.raises(EngineError, match="nothing to serve"):
+        Watcher(lambda ts: [], name="th-watch-x").pace(0.001)
+    broken = Watcher(lambda ts: [], serve=lambda: 1 / 0)
+    broken.pace(0.005)
+    time.sleep(0.05)
+    assert broken.served >= 2 and "progressing the engine for its peers failed" in caplog.text  # (and it goes on)
+    broken.close()
+    closed = Watcher(lambda ts: [], serve=Served())
+    closed.close()
+    closed.pace(0.001)
+    assert closed._thread is None, "pace after close started a thread"
+    engine = FlipEngine()  # (needs no progress: pace is nothing to it)
+    engine.pace(0.001)
+    assert "_watch" not in engine.__dict__
+    engine.close()
+    engine.needs_progress = True
+    engine.pace(0.001)  # (closed: the watcher made closed by close, no thread)
+    assert engine._watch._thread is None
+
+
+def test_a_paced_nixl_holder_serves_a_real_read_with_nobody_calling_progress():
+    """Over UCX's TCP or shared-memory transport a holder's worker must be progressed
+    (test_nixl_progress: without it the READ stays pending); ``pace`` has the holder's
+    own watcher do it."""
+    with nixl_pair() as (holder, reader, peer, src, dst):
+        if not holder.needs_progress:
+            pytest.skip("NIXL's progress thread serves this holder (TH_NIXL_PROGRESS_THREAD=1)")
+        holder.pace(1e-3)
+        xfer = reader.read(peer, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
+        calls = Calls()
+        reader.when_over(xfer, calls)
+        assert [s for s, _ in calls.wait(20)] == ["done"]
+        assert reader.release(xfer) and torch.equal(dst, src)
+        assert holder._watch.served > 0
 
 
 def test_the_nixl_watcher_calls_back_a_real_read_on_host_memory():

@@ -88,7 +88,7 @@ def test_with_the_thread_a_holder_serves_reads_unaided_and_sleeps_while_idle():
     assert got["idle_cores"] < 0.2, f"the idle progress thread spins: {got['idle_cores']:.2f} of a core"
 
 
-def test_without_the_thread_the_holder_needs_the_service_threads_progress():
+def test_without_the_thread_the_holder_needs_its_watchers_paced_progress():
     """The contrast that makes the test above mean something: over UCX's TCP transport a
     holder's worker must be progressed, or a READ of it never ends."""
     got = _child("0")

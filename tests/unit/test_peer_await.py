@@ -335,3 +335,19 @@ def test_kept_by_holder_hands_each_holder_its_connection_and_closes_what_comes_b
     pool.put("h1", b)  # (a wait that was out when the fetch ended)
     assert closed == [b], "a connection put back after close stayed open"
     assert pool.take("h1", "10.0.0.2:1") is not b
+
+
+def test_every_authenticated_ask_calls_on_ask_and_a_refused_token_does_not():
+    """``on_ask`` is how a holder's engine is paced hot the moment a reader arrives."""
+    asks: list[float] = []
+    replicas = {("m", 1): replica()}
+    server = PeerServer("127.0.0.1", TOKEN, lambda ask: wire.Refused(code="x", message=""), Regions(),
+                        replica=replicas.get, on_ask=lambda: asks.append(time.monotonic()))
+    try:
+        with pytest.raises(wire.PeerError, match="auth"):
+            wire.await_chunks(server.address, "x" * 16, "m", 1, 0b1, 20.0)
+        assert asks == []
+        wire.await_chunks(server.address, TOKEN, "m", 1, 0b1, 0.1)  # (nothing held: empty at the timeout)
+        assert len(asks) == 1 and asks[0] >= server.last_ask  # (called after it is set)
+    finally:
+        server.close(timeout=5)
