@@ -9,9 +9,9 @@ at most the ask's ``timeout_s``, capped at ``await_cap_s`` (default ``AWAIT_CAP_
 s, well inside ``idle_s``); a server built without ``replica`` refuses every ``Await``
 as ``not_found``. ``on_ask`` (optional) is called on the server's thread with every
 authenticated ask, after ``last_ask`` is set (the endpoint speeds its engine's serving
-up at once: ``service``); it must be quick. A connection is closed after an ask refused for its frame or token
-(too large, malformed, auth; an answer that refuses what was asked, ``not_found`` or
-``bad_request``, leaves it open); an idle connection is closed after ``idle_s``
+up at once: ``service``); it must be quick. A connection is closed after an ask
+refused for its frame or token (too large, malformed, auth; an answer that refuses
+what was asked, ``not_found`` or ``bad_request``, leaves it open); an idle connection is closed after ``idle_s``
 (default ``IDLE_S``, 300 s: readers' tcp engines drop their pooled connections well
 before, ``engines.tcp.IDLE_S``), and one whose reader stops receiving after
 ``send_timeout_s`` (``engines.serve.SEND_TIMEOUT_S``, 30 s) per slice.

@@ -27,8 +27,9 @@ Between beats the thread waits on the hub socket for pushed ``Command``s in slic
 the engine's own watcher thread keeps (``Engine.pace``): every 1 ms (``HOT_S``) while
 readers are at our memory (a peer's ask within ``hot_s``; the ask itself sets it at
 once: ``Endpoint``), every 10 ms (``WARM_S``) while we hold memory nobody asked about
-lately, not at all when we hold none. Commands run on worker threads through the endpoint's command handler (see
-``endpoint.commands``), so a long fetch never stalls heartbeats: ``retain`` and
+lately, not at all when we hold none. Commands run on worker threads through the
+endpoint's command handler (see ``endpoint.commands``), so a long fetch never stalls
+heartbeats: ``retain`` and
 ``discard`` on one worker, every other command on another, each worker one command at
 a time in the order they came. A retention pull (which an unpublish elsewhere waits
 for, contract 4) thus never queues behind a ``th sync`` fetch of up to 600 s.

@@ -52,11 +52,11 @@ its owner freed it).
 Completion. NIXL's Python API has no completion callback (``check_xfer_state`` and
 ``get_new_notifs`` are polls), so ``when_over`` is the base's: one watcher thread per
 engine (``engines.watcher``: the one poll left, backing off 20 µs to 1 ms, or 4 ms where
-NIXL's progress thread moves the bytes, while reads are pending; while paced, at most
-one check a millisecond, on the serving wakes; asleep with no CPU while none is
-watched and nothing paced) checks every watched READ in one round under the lock;
-without NIXL's progress thread its checks also drive UCX progress for our READs. A transfer
-already released (given up, or by ``close``) is never checked again: it reads "failed".
+NIXL's progress thread moves the bytes, while reads are pending; while paced it also
+calls ``progress`` on the same wakes; asleep with no CPU while none is watched and
+nothing paced) checks every watched READ in one round under the lock; without NIXL's
+progress thread its checks also drive UCX progress for our READs. A transfer already
+released (given up, or by ``close``) is never checked again: it reads "failed".
 ``close`` stops the thread.
 
 NIXL calls are serialized by one lock: the fetch loop, the watcher's checks and

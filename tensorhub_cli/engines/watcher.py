@@ -94,6 +94,7 @@ class Watcher:
         self.idle = False  # blocked on the condition, nothing watched, not paced (no timeout: no CPU)
         self.rounds = 0  # checks made by the thread
         self.served = 0  # ``serve`` calls made by the thread
+        self.serve_failures = 0  # of them, those that raised
         self.dropped = 0  # watches still pending at close, never called back
 
     def watch(self, transfer: object, fn: Over, nbytes: int = 0) -> None:
@@ -130,10 +131,15 @@ class Watcher:
             self._cond.notify()
 
     def _serve_once(self) -> None:
+        """(A failing ``serve`` is logged once, not at every pace: ``serve_failures``
+        counts them.)"""
         try:
             self._serve()
         except Exception:
-            log.exception("%s: progressing the engine for its peers failed", self._name)
+            self.serve_failures += 1
+            if self.serve_failures == 1:
+                log.exception("%s: progressing the engine for its peers failed (logged once; "
+                              "counted in serve_failures)", self._name)
         self.served += 1
 
     def _states(self, transfers: list) -> list:
