@@ -89,6 +89,7 @@ class Watcher:
         self._seen: dict[int, float] = {}  # key -> when a check last found it pending (watcher thread only)
         self._keys = itertools.count()
         self._fresh = False  # a watch came in since the last round: start the back-off again
+        self._repaced = False  # the pace changed since the last round: do not sleep on the old one
         self._closed = False
         self._thread: threading.Thread | None = None
         self.idle = False  # blocked on the condition, nothing watched, not paced (no timeout: no CPU)
@@ -124,7 +125,7 @@ class Watcher:
             if every_s is not None and (self._serve is None or not every_s > 0):
                 raise EngineError(f"{self._name}: cannot serve every {every_s!r} s"
                                   + ("" if self._serve else " (this engine has nothing to serve)"))
-            self._pace = every_s
+            self._pace, self._repaced = every_s, True
             if every_s is not None and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -165,7 +166,7 @@ class Watcher:
                 if self._fresh:
                     delay, self._fresh = self._first_s, False
                 batch = list(self._watched.items())
-                pace = self._pace
+                pace, self._repaced = self._pace, False
             if pace is not None and not last and time.monotonic() - served >= pace:
                 self._serve_once()
                 served = time.monotonic()
@@ -204,7 +205,7 @@ class Watcher:
             if pace is not None:  # (the next serving is due then, if no check comes first)
                 wait = min(wait, max(0.0, served + pace - time.monotonic()))
             with self._cond:
-                if not self._fresh and not self._closed:
+                if not self._fresh and not self._repaced and not self._closed:
                     self._cond.wait(None if wait == float("inf") else wait)
 
     def _next(self, now: float, pending: list[tuple[float, int]], delay: float) -> tuple[float, float]:

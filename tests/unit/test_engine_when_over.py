@@ -333,6 +333,39 @@ def test_while_paced_a_read_near_its_predicted_end_is_checked_as_finely_and_serv
         watcher.close()
 
 
+def test_a_pace_set_while_the_watcher_decides_how_long_to_sleep_is_not_slept_through():
+    """The watcher computes its sleep outside its lock; a pace set in that window (a
+    peer's ask) notifies nobody. Asleep on the old plan, a long read's predicted wait,
+    the holder would serve nobody for seconds."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    check = Checked()
+    serve = Served()
+    watcher = Watcher(check, max_s=4e-3, serve=serve)
+    try:
+        teach_10_mb_per_s(watcher, check)
+        plan = watcher._next
+        asked = []
+
+        def next_then_an_ask(*args):
+            out = plan(*args)
+            if not asked:  # (the first sleep planned for the long read)
+                asked.append(time.monotonic())
+                watcher.pace(0.005)
+            return out
+
+        watcher._next = next_then_an_ask
+        check.states[1] = "pending"
+        watcher.watch(1, Calls(), nbytes=100_000_000)  # expected 10 s: first check after 8.5
+        deadline = time.monotonic() + 5
+        while not serve.at and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert asked and serve.at, "no serving within 5 s of a pace set while the watcher planned its sleep"
+        assert serve.at[0] - asked[0] < 1.0
+    finally:
+        watcher.close()
+
+
 def test_pace_is_refused_without_serve_and_does_nothing_after_close(caplog):
     from tensorhub_cli.engines.watcher import Watcher
 
