@@ -22,7 +22,8 @@ a protocol the hub does not speak) also stops the thread at once, with one log l
 waits for the registration (``connect``) instead of letting them wait out their timeout.
 
 Between beats the thread waits on the hub socket for pushed ``Command``s in slices of
-50 ms. Each slice it also sets the pace at which the engine's passive side is progressed
+50 ms (``stop`` cuts a slice short through a pipe, so closing an endpoint never waits
+one out). Each slice it also sets the pace at which the engine's passive side is progressed
 (an engine that ``needs_progress``: peers' reads of our memory stall without it), which
 the engine's own watcher thread keeps (``Engine.pace``): every 1 ms (``HOT_S``) while
 readers are at our memory (a peer's ask within ``hot_s``; the ask itself sets it at
@@ -46,6 +47,7 @@ hub expires us).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -83,6 +85,10 @@ class Service:
         self._exit_lock = threading.Lock()
         self._exited = False  # the thread no longer touches the socket
         self._orphaned = False  # stop gave up waiting: the thread closes the socket on its way out
+        # stop writes a byte to end the thread's wait on the hub socket at once; both ends
+        # close with the socket, whoever closes it (by then nothing writes any more)
+        self._wake, self._waker = os.pipe()
+        os.set_blocking(self._waker, False)
         self._thread = threading.Thread(target=self._run, name=f"th-service-{ep.name}", daemon=True)
         self._worker = threading.Thread(target=self._work, name=f"th-commands-{ep.name}", daemon=True)
         self._retainer = threading.Thread(target=self._work, args=(self.retention,),
@@ -119,7 +125,12 @@ class Service:
             with self._exit_lock:
                 self._exited = True
                 if self._orphaned:
-                    self.client.close()
+                    self._close()
+
+    def _close(self) -> None:
+        self.client.close()
+        os.close(self._wake)
+        os.close(self._waker)
 
     def _reap(self) -> None:
         """Reads a failed fetch left behind: released, and unpinned once stopped (once a
@@ -158,7 +169,7 @@ class Service:
             if self.ep.engine.needs_progress:
                 self._pace(now)
             try:
-                self.client.poll_pushed(SLICE_S)
+                self.client.poll_pushed(SLICE_S, wake=self._wake)
             except Exception as exc:  # a garbled push must not stop heartbeats
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
@@ -212,7 +223,10 @@ class Service:
         slice) and tells the hub we left (if it answers within ``deregister_timeout``).
         The workers are not waited for: they run the commands already queued (against a
         closing endpoint), then end."""
+        if self.stopping.is_set():
+            return  # stopped already (the pipe may be closed)
         self.stopping.set()
+        os.write(self._waker, b"x")
         self.commands.put(None)
         self.retention.put(None)
         self._thread.join(timeout=join_timeout)
@@ -223,11 +237,11 @@ class Service:
                 self._orphaned = True
                 return
         if self.fenced or self.refused:  # the hub would refuse it: nothing of ours is left there
-            self.client.close()
+            self._close()
             return
         try:
             self.client.call(p.Deregister(name=self.ep.name, incarnation=self.ep.info.incarnation),
                              timeout=deregister_timeout)
         except (HubError, HubUnreachable):
             pass
-        self.client.close()
+        self._close()

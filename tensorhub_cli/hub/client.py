@@ -74,9 +74,18 @@ class HubClient:
     def call(self, op: p.Op, timeout: float = 5.0) -> p.Body:
         return self.wait(self.send(op), timeout)
 
-    def poll_pushed(self, timeout: float) -> None:
-        """Read pushed frames for up to ``timeout`` seconds (agents call this between beats)."""
-        if self._sock.poll(int(timeout * 1000)):
+    def poll_pushed(self, timeout: float, wake: int | None = None) -> None:
+        """Read pushed frames for up to ``timeout`` seconds (agents call this between
+        beats); returns early once the file descriptor ``wake`` is readable (it is not
+        read: whoever made it readable meant "stop waiting", for good)."""
+        if wake is None:
+            ready = self._sock.poll(int(timeout * 1000))
+        else:
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(wake, zmq.POLLIN)
+            ready = dict(poller.poll(int(timeout * 1000))).get(self._sock)
+        if ready:
             reply = p.decode_reply(self._sock.recv())
             if reply.rid == 0:
                 self.pushed.append(reply.body)

@@ -3,6 +3,7 @@ is never used by two threads, nor closed under the thread still using it."""
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from types import SimpleNamespace
@@ -41,7 +42,7 @@ class SlowClient:
         finally:
             self.busy.release()
 
-    def poll_pushed(self, timeout: float) -> None:
+    def poll_pushed(self, timeout: float, wake: int | None = None) -> None:
         time.sleep(timeout)
 
     def close(self) -> None:
@@ -70,6 +71,38 @@ def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():
     assert not service._thread.is_alive()
 
 
+class WakeableClient:
+    """Waits on the hub socket far longer than a slice, unless ``wake`` is readable."""
+
+    pushed: list = []
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def call(self, op, timeout: float = 5.0):
+        self.calls.append(type(op).__name__)
+        return p.Ok()
+
+    def poll_pushed(self, timeout: float, wake: int | None = None) -> None:
+        select.select([wake] if wake is not None else [], [], [], 30.0)
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_stop_cuts_the_wait_on_the_hub_socket_short():
+    client = WakeableClient()
+    service = Service(fake_endpoint(), client, heartbeat_s=60.0, handler=lambda ep, cmd: None)
+    service.start()
+    assert service.registered.wait(5)
+    started = time.monotonic()
+    service.stop(join_timeout=5, deregister_timeout=0.1)
+    assert time.monotonic() - started < 1.0
+    assert client.calls == ["Register", "Deregister", "close"]  # the thread ended: stop deregistered
+    service.stop(join_timeout=5, deregister_timeout=0.1)  # a second stop is a no-op
+    assert client.calls == ["Register", "Deregister", "close"]
+
+
 class PushingClient:
     """Beats at once; hands the service the commands a test pushes."""
 
@@ -81,7 +114,7 @@ class PushingClient:
     def call(self, op, timeout: float = 5.0):
         return p.Ok()
 
-    def poll_pushed(self, timeout: float) -> None:
+    def poll_pushed(self, timeout: float, wake: int | None = None) -> None:
         time.sleep(min(timeout, 0.01))
 
     def close(self) -> None:
@@ -253,3 +286,25 @@ def test_a_peers_ask_paces_the_engine_hot_at_once():
     ep.engine.needs_progress = False
     Endpoint._asked(ep)
     assert ep.engine.paces == [HOT_S]
+
+
+def test_a_real_hub_client_stops_waiting_for_pushes_once_woken():
+    import os
+
+    from tensorhub_cli.hub.client import HubClient
+
+    client = HubClient("tcp://127.0.0.1:9", "token")  # nothing there: no push ever comes
+    wake, waker = os.pipe()
+    try:
+        threading.Timer(0.1, os.write, (waker, b"x")).start()
+        started = time.monotonic()
+        client.poll_pushed(10.0, wake=wake)
+        assert time.monotonic() - started < 2.0
+        assert not client.pushed
+        started = time.monotonic()
+        client.poll_pushed(0.05)  # no wake: the whole slice
+        assert time.monotonic() - started >= 0.04
+    finally:
+        client.close()
+        os.close(wake)
+        os.close(waker)
