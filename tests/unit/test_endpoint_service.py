@@ -74,10 +74,9 @@ def test_stop_never_uses_or_closes_the_socket_while_the_thread_still_does():
 class WakeableClient:
     """Waits on the hub socket far longer than a slice, unless ``wake`` is readable."""
 
-    pushed: list = []
-
     def __init__(self):
         self.calls: list[str] = []
+        self.pushed: list = []
 
     def call(self, op, timeout: float = 5.0):
         self.calls.append(type(op).__name__)
