@@ -32,8 +32,10 @@ A chunk is in exactly one state:
   the chunk is neither read again nor reported (contract 3).
 
 Results go to the hub in batches: once ``report_every`` chunks are verified (by
-default all: ``batch``), at once for a failure (so the hub re-parents the chunk), and
-when nothing else is in flight.
+default all: ``batch``), at once for a failure (so the hub re-parents the chunk), at
+once when the hub says a source of ours is gone (``Replan``: the answer moves its
+chunks, and a read in flight from it is given up as for a timeout), and when nothing
+else is in flight.
 The answer to a report is the reads still outstanding; the reader is done when the
 hub answers ``complete``.
 """
@@ -74,6 +76,11 @@ class Noticed:
 @dataclass(slots=True)
 class AwaitFailed:
     source: str  # gone, or it refused (it dropped the version): its chunks are failed reads
+
+
+@dataclass(slots=True)
+class Replan:
+    """The hub dropped a source of ours (contract 6): ask now, not at the next report."""
 
 
 @dataclass(slots=True)
@@ -188,6 +195,7 @@ class Reader:
     awaiting: set[str] = field(default_factory=set)  # sources with an Await outstanding
     relays: set[str] = field(default_factory=set)  # sources scheduled for a chunk they did not hold yet
     asked: bool = False
+    replan: bool = False  # a ``Replan`` came: the next report is due at once
     over: bool = False
     first: int = 0  # the hub's ``Planned.first``: where our reading order starts
     serial: bool = False  # the hub's ``Planned.serial``: a window of one
@@ -294,6 +302,8 @@ class Reader:
         elif isinstance(ev, Stopped):
             if self.state.get(ev.chunk) == STOPPING:
                 self._fail(ev.chunk, now, out)
+        elif isinstance(ev, Replan):
+            self.replan = True  # (an ask in flight may predate the drop: the next one asks again)
 
     def _landing(self, c: int, now: float, out: list) -> None:
         """The source has more of ``c`` (``avail``: how much; absent: all of it)."""
@@ -410,10 +420,10 @@ class Reader:
         idle = not moving and not by[WAITING]
         # (Not per chunk while others wait on their sources: children hear of our chunks
         # from us, not from the hub, so the hub needs our progress in batches only.)
-        due = (self.asks == 0 or self.failed or results >= self.report_every or results and idle
-               or by[WANTED] and idle and now >= self.ask_at)
+        due = (self.asks == 0 or self.failed or self.replan or results >= self.report_every
+               or results and idle or by[WANTED] and idle and now >= self.ask_at)
         if due:
-            self.asked = True
+            self.asked, self.replan = True, False
             self.asks += 1
             out.append(Ask(self.done, self.failed, self.passed))
             self.done, self.failed, self.passed = [], [], []

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..engines import wire
 from ..hub import protocol as p
@@ -48,6 +48,9 @@ class Replica:
     reading: dict[int, str] = field(default_factory=dict)  # chunk -> source, in flight
     description: bytes | None = None
     reg: object = None  # registrations.Registration
+    # While a scheduled fetch fills this replica: wakes it to ask the hub for a new plan
+    # (the hub dropped a source of its reads). Called from the service thread; quick.
+    replan: Optional[Callable[[], None]] = None
     written: object = None  # streams: the event recorded after the last scatter into our destination
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Waits for chunks (``await_held``): (loop, future, mask, after), under ``lock``.

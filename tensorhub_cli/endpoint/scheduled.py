@@ -24,6 +24,8 @@ the deadline): nothing here polls.
   only) where the core reads in fragments; a chunk read in part (tiles) or as a delta is
   read whole.
 - ``Stop``: the engine is told to stop the read; ``Stopped`` once it confirms.
+- ``Replan``: the hub pushed ``replan`` (it dropped a source of ours) to the service
+  thread, which calls the replica's ``replan`` hook, set while this fetch runs.
 
 A read the hub planned with a ``base`` (``hub.deltas``) whose base chunk we hold
 verified is asked of its source as a delta (``delta_reads``) and is one more read in
@@ -108,6 +110,7 @@ class ScheduledFetch(Fetch):
         self._kept = wire.KeptByHolder(self.ep.host)  # (the core has one Await out per source)
         self._hub = hub
         events: list = []
+        h.replan = lambda: self.q.put(("replan",))
         try:
             while True:
                 now = time.monotonic()
@@ -129,6 +132,7 @@ class ScheduledFetch(Fetch):
                     pass
                 events = [e for e in events if e is not None]
         finally:
+            h.replan = None
             waits.shutdown(wait=False, cancel_futures=True)
             hub.shutdown(wait=False, cancel_futures=True)
             self._kept.close()
@@ -326,6 +330,8 @@ class ScheduledFetch(Fetch):
                                planned.first, planned.serial)
         if kind == "refused":
             return core.Refused(item[1])
+        if kind == "replan":
+            return core.Replan()
         if kind == "noticed":
             return core.Noticed(item[1], item[2], item[3])
         if kind == "await_failed":

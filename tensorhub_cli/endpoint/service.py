@@ -28,7 +28,9 @@ one out). Each slice it also sets the pace at which the engine's passive side is
 the engine's own watcher thread keeps (``Engine.pace``): every 1 ms (``HOT_S``) while
 readers are at our memory (a peer's ask within ``hot_s``; the ask itself sets it at
 once: ``Endpoint``), every 10 ms (``WARM_S``) while we hold memory nobody asked about
-lately, not at all when we hold none. Commands run on worker threads through the
+lately, not at all when we hold none. A ``replan`` (the hub dropped a source of our
+reads) is no one's handler's: the thread wakes the fetch filling that version
+(``Replica.replan``). Other commands run on worker threads through the
 endpoint's command handler (see ``endpoint.commands``), so a long fetch never stalls
 heartbeats: ``retain`` and
 ``discard`` on one worker, every other command on another, each worker one command at
@@ -174,8 +176,19 @@ class Service:
                 log.warning("%s: bad frame from hub: %s", self.ep.name, exc)
             while self.client.pushed:
                 cmd = self.client.pushed.popleft()
-                retention = getattr(cmd, "action", None) in ("retain", "discard")
-                (self.retention if retention else self.commands).put(cmd)
+                action = getattr(cmd, "action", None)
+                if action == "replan":
+                    self._replan(cmd)
+                    continue
+                (self.retention if action in ("retain", "discard") else self.commands).put(cmd)
+
+    def _replan(self, cmd: p.Command) -> None:
+        """Wake the fetch filling ``cmd``'s version to ask for a new plan (quick: it only
+        queues an event); none filling it (over, or never ours), nothing to do."""
+        held = self.ep.replicas.get((cmd.model, cmd.version))
+        wake = held.replan if held is not None else None
+        if wake is not None:
+            wake()
 
     def _refuse(self, exc: HubError) -> None:
         why = p.Error(code=exc.code, message=f"the hub at {self.client.address} refused {self.ep.name}: "

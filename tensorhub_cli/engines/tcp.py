@@ -23,7 +23,7 @@ Stopping a read. A read in flight cannot be abandoned while its thread may still
 write into the target memory (contract 3: the hub must count it against its source
 until it really ended). ``release`` of a pending read asks it to stop: a read not
 started yet is cancelled; a running one has its socket shut down, which ends its
-blocking receive at once. ``release`` returns True only once the read's thread is
+blocking receive, or its connect (the socket is the read's before it connects), at once. ``release`` returns True only once the read's thread is
 done with the memory; until then the caller keeps the transfer and asks again.
 
 Completion. ``when_over(read, fn)`` hangs ``fn`` on the read's own future: it is
@@ -33,8 +33,8 @@ poll; a read cancelled or stopped reports "failed".
 Closing. ``close(timeout)`` refuses new reads, stops every read still pending (as
 ``release`` does) and waits up to ``timeout`` (5 s) for their threads to end, so once
 it returns no read of this engine writes into memory again. A read it could not see
-end in time is logged by count: told to stop, it writes nothing more once its dial or
-its receive of bytes already buffered returns.
+end in time is logged by count: told to stop, it writes nothing more once its
+receive of bytes already buffered returns.
 
 Device memory. A read into CUDA memory (``device`` >= 0) receives each pair into a
 pinned host staging buffer, then copies it to the device (``DeviceCopy``, synchronous)
@@ -84,6 +84,14 @@ class TcpRead:
     def result(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` for the read; raises what it failed with."""
         return self.future.result(timeout)
+
+    def claim(self, sock: socket.socket) -> None:
+        """``sock`` is this read's from now on, connecting yet or not: ``stop`` shuts
+        it down (a dial to a holder whose link is down ends then, not at its timeout)."""
+        with self.lock:
+            if self.stopped:
+                raise EngineError("read stopped before it started")
+            self.sock = sock
 
     def stop(self) -> None:
         with self.lock:
@@ -141,7 +149,7 @@ class TcpEngine(Engine):
         with self._lock:
             self._reads.discard(xfer)
 
-    def _conn(self, address: str) -> tuple[socket.socket, bool]:
+    def _conn(self, address: str, xfer: TcpRead) -> tuple[socket.socket, bool]:
         """A connection to ``address``, and whether it was used before."""
         with self._lock:
             idle = self._conns.setdefault(address, queue.SimpleQueue())
@@ -149,10 +157,14 @@ class TcpEngine(Engine):
             try:
                 sock, since = idle.get_nowait()
             except queue.Empty:
-                return wire.dial(address, self._timeout, self._source), False
+                return self._dial(address, xfer), False
             if time.monotonic() - since < self._idle_s and self._open(sock):
                 return sock, True
             sock.close()
+
+    def _dial(self, address: str, xfer: TcpRead) -> socket.socket:
+        """A new connection for ``xfer``, which a stop aborts while it connects."""
+        return wire.dial(address, self._timeout, self._source, claim=xfer.claim)
 
     def _open(self, sock: socket.socket) -> bool:
         """Whether an idle connection is still open: nothing to read yet (an end of
@@ -171,11 +183,11 @@ class TcpEngine(Engine):
 
     def _read(self, address: str, pairs: list[Pair], xfer: TcpRead, device: int) -> None:
         staged = self._copy.staging(max(p.nbytes for p in pairs)) if device >= 0 and pairs else None
-        sock, reused = self._conn(address)
+        sock, reused = self._conn(address, xfer)
         try:
             self._read_over(sock, address, pairs, xfer, reused, device, staged)
         except _Stale:
-            sock = wire.dial(address, self._timeout, self._source)
+            sock = self._dial(address, xfer)
             self._read_over(sock, address, pairs, xfer, False, device, staged)
 
     def _read_over(self, sock: socket.socket, address: str, pairs: list[Pair], xfer: TcpRead, reused: bool,

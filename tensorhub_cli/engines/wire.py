@@ -50,7 +50,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import msgspec
 
@@ -188,15 +188,38 @@ def recv_answer(sock: socket.socket) -> Answer:
         raise PeerError(f"undecodable answer: {exc}") from None
 
 
-def dial(address: str, timeout: float, source: Optional[str] = None) -> socket.socket:
+def dial(address: str, timeout: float, source: Optional[str] = None,
+         claim: Optional[Callable[[socket.socket], None]] = None) -> socket.socket:
     """A connection to ``address`` whose connect and every later send and receive
-    give up after ``timeout`` seconds (``socket.timeout``, an ``OSError``)."""
+    give up after ``timeout`` seconds (``socket.timeout``, an ``OSError``).
+    ``claim(sock)`` is called with the socket before it connects, so another thread
+    can abort the connect by shutting the socket down (Linux ends a blocked connect at
+    once then: a holder whose link is down otherwise holds it for ``timeout``); what
+    ``claim`` raises aborts the dial (the socket is closed)."""
     host, _, port = address.rpartition(":")
     try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout,
-                                        source_address=(source, 0) if source else None)
-    except OSError as exc:
+        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
         raise PeerError(f"cannot reach holder at {address}: {exc}") from None
+    error: OSError | None = None
+    for family, kind, proto, _, where in found:  # (as socket.create_connection tries them)
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            if source:
+                sock.bind((source, 0))
+            if claim is not None:
+                claim(sock)
+            sock.connect(where)
+            break
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        raise PeerError(f"cannot reach holder at {address}: {error}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 

@@ -6,7 +6,7 @@
   (``ok``) or its endpoint was dropped meanwhile (not ``ok``).
 - ``Answered``: a deferred operator request (``Withdraw``) is answered, for everyone
   waiting on its key.
-- ``Send``: a hub → endpoint command (retain, discard, fetch, load, unpublish), pushed
+- ``Send``: a hub → endpoint command (retain, discard, fetch, load, unpublish, replan), pushed
   by the service on the endpoint's control socket.
 
 The outbound kinds are queued on the state and taken with ``take_outbound()``.

@@ -13,7 +13,9 @@
   process heard nothing for a while (descheduled, paused), the beats sent meanwhile are
   still queued, so that time is taken off every endpoint's silence.
 - ``drop_endpoint``: a gone endpoint loses every reference, pin and read it had; a
-  pending unpublish of its is answered not-ok.
+  pending unpublish of its is answered not-ok; every live reader with reads scheduled
+  from it is told to ``replan`` that version now, not when its own read or wait times
+  out (a link that went down fails nothing on its own for the read timeout, 30 s).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 from ..planner import join, leave
 from . import protocol as p
 from .draining import forget_replica, settle
-from .faults import Acked, HubFault
+from .faults import Acked, HubFault, Send
 from .publishing import note_seed, restore
 from .state import Endpoint, HubState
 
@@ -111,6 +113,9 @@ def drop_endpoint(hub: HubState, now: float, name: str) -> None:
             hub.unpin(v, name, -1)
             for reader in [r for r, feeds in v.feeds.items() if name in feeds]:
                 hub.unpin(v, reader, v.feeds[reader][name])
+                if reader in hub.endpoints:
+                    hub.queue(Send(endpoint=reader, body=p.Command(action="replan", model=v.model,
+                                                                  version=v.number)))
             if name in v.replicas:
                 forget_replica(v, name, ep.place if ep is not None else None)
             if name in v.draining:

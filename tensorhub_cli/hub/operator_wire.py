@@ -91,9 +91,12 @@ class Command(Msg, tag="command"):
     safetensors file at ``path`` and publish it as ``model@version`` (``th publish``).
     ``discard`` (to an agent): the hub forgot that version; free the copy of it.
     ``unpublish`` (``th unpublish``, to any holder): the hub withdrew that version from
-    us (our replica drains there already); unpublish it to let the memory go."""
+    us (our replica drains there already); unpublish it to let the memory go.
+    ``replan`` (to a reader): the hub dropped a source of our reads of that version
+    (expired, left, restarted): ask for a new plan now (the endpoint acts on it itself,
+    no handler sees it)."""
 
-    action: Literal["retain", "fetch", "load", "discard", "unpublish"]
+    action: Literal["retain", "fetch", "load", "discard", "unpublish", "replan"]
     model: str
     version: int
     path: str = ""

@@ -148,6 +148,29 @@ def test_a_retention_pull_never_waits_behind_a_long_sync_fetch():
         service.stop(join_timeout=2, deregister_timeout=0.5)
 
 
+def test_a_replan_wakes_the_fetch_filling_that_version_and_no_handler_sees_it():
+    client = PushingClient()
+    woken, seen = threading.Event(), []
+    filling = SimpleNamespace(replan=woken.set)
+    ep = fake_endpoint()
+    ep.replicas = SimpleNamespace(get=lambda key: {("m", 1): filling, ("m", 2): SimpleNamespace(replan=None)}.get(key))
+    service = Service(ep, client, heartbeat_s=0.05, handler=lambda ep, cmd: seen.append(cmd.action))
+    service.start()
+    try:
+        # (a version nobody fills here, and one whose fetch is over: nothing to wake, nothing raised)
+        client.pushed.extend([p.Command(action="replan", model="m", version=9),
+                              p.Command(action="replan", model="m", version=2),
+                              p.Command(action="replan", model="m", version=1),
+                              p.Command(action="fetch", model="m", version=3)])
+        assert woken.wait(5), "the fetch filling m@1 was not woken"
+        deadline = time.monotonic() + 3
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["fetch"] and service._thread.is_alive()
+    finally:
+        service.stop(join_timeout=2, deregister_timeout=0.5)
+
+
 class RefusingClient(PushingClient):
     """The hub refuses every request, ``code`` its reason; counts the calls."""
 

@@ -8,7 +8,7 @@ import msgspec
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.planner.schedule import Swarms, deal
 
-from .hubkit import info, manifest, new_hub, reg
+from .hubkit import EXPIRY, info, manifest, new_hub, reg, sends
 
 MODEL = "m"
 
@@ -108,6 +108,28 @@ def test_a_failed_tree_read_goes_to_a_holder_that_has_the_chunk_now():
     again = _schedule(hub, "r1", failed=[p.Read(chunk=lost.chunk, source="r0")])
     moved = next(r for r in again.reads if r.chunk == lost.chunk)
     assert moved.source == "t0" and moved.ready  # roots only: never another tree parent
+
+
+def test_an_expired_source_has_each_reader_it_fed_told_to_replan_and_the_answer_moves_its_chunks():
+    """Contract 6: a source that stops beating fails no read by itself (a link that went
+    down resets nothing), so the hub tells the readers it fed, and only them."""
+    hub, names = _published(nchunks=4, readers=3)
+    _schedule(hub, "r0")
+    fed = [r for r in _schedule(hub, "r1").reads if r.source == "r0"]
+    assert fed, "r1 was scheduled nothing from r0: the test tests nothing"
+    _schedule(hub, "r2")
+    v = hub.models[MODEL][1]
+    expected = {r for r, feeds in v.feeds.items() if "r0" in feeds}
+    assert expected and expected < {"t0", *names}
+    hub.take_outbound()
+    for name in ("t0", "r1", "r2"):  # (every one but r0 beats on)
+        hub.heartbeat(EXPIRY / 2, p.Heartbeat(name=name))
+    assert hub.expire(EXPIRY + 0.1) == ["r0"]
+    told = [(e.endpoint, e.body.model, e.body.version) for e in sends(hub.take_outbound(), "replan")]
+    assert sorted(told) == sorted((r, MODEL, 1) for r in expected), told
+    again = _expanded(hub.plan(EXPIRY + 0.2, p.Plan(name="r1", model=MODEL, version=1, schedule=True))).reads
+    assert {r.chunk for r in again} >= {r.chunk for r in fed}
+    assert all(r.source != "r0" for r in again)
 
 
 def test_each_chunk_crosses_into_a_dc_once_and_the_crossing_is_striped():

@@ -99,6 +99,29 @@ def test_a_dead_parent_fails_its_waits_so_the_hub_reparents_them():
     assert ask and sorted(ask[0].failed) == [(0, "p"), (1, "p")]
 
 
+def test_a_replan_asks_at_once_and_the_answer_stops_the_read_from_the_lost_source_before_its_timeout():
+    r = core.Reader(0b11, read_timeout=30.0)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "p", True, False), (1, "q", False, False)])])
+    assert r.step(3.0) == []  # nothing of ours failed: a link that is down says nothing
+    assert kinds(r.step(3.0, [core.Replan()])) == ["Ask"]
+    out = r.step(3.1, [core.Answer([(0, "t", True, False), (1, "t", True, False)])])  # the hub moved both
+    assert [a.chunk for a in out if isinstance(a, core.Stop)] == [0]  # long before 30 s
+    assert [(a.chunk, a.source) for a in out if isinstance(a, core.Start)] == [(1, "t")]
+    out = r.step(3.2, [core.Stopped(0)])
+    assert [a.failed for a in out if isinstance(a, core.Ask)] == [[(0, "p")]]
+
+
+def test_a_replan_while_an_ask_is_in_flight_asks_again_after_its_answer():
+    r = core.Reader(0b1)
+    r.step(0.0)
+    r.step(0.0, [core.Answer([(0, "p", False, False)])])
+    r.step(1.0, [core.Replan()])  # asked
+    assert kinds(r.step(1.0, [core.Replan()])) == []  # (one ask in flight at a time)
+    out = r.step(1.1, [core.Answer([(0, "p", False, False)])])  # answered from before the drop
+    assert kinds(out) == ["Ask"]
+
+
 def test_the_hubs_stale_not_ready_never_undoes_a_notice():
     r = core.Reader(0b11, window=1, per_source=1)
     r.step(0.0)
@@ -330,6 +353,10 @@ class ReaderMachine(RuleBasedStateMachine):
             del self.running[c]
             self.step(core.Stopped(c))
 
+    @rule()
+    def replan(self):
+        self.step(core.Replan())
+
     @rule(dt=st.sampled_from([0.1, 6.0, 60.0]))
     def time_passes(self, dt):
         self.now += dt
@@ -347,6 +374,7 @@ class ReaderMachine(RuleBasedStateMachine):
         for c in self.r.frag.stalled:
             assert c not in self.running and self.r.state[c] == core.READING, "stalled yet a fragment runs"
         assert len([c for c in self.running if self.r.state[c] == core.READING]) <= self.r.window
+        assert not self.r.replan or self.r.asked, "a replan neither asked nor waiting for the ask in flight"
 
 
 ReaderMachine.TestCase.settings = settings(max_examples=int(os.environ.get("TH_HYPOTHESIS_EXAMPLES", 300)),

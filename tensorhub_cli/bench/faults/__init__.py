@@ -67,8 +67,9 @@ Faults (in this order):
   resumed. Its three processes always run the nixl engine; where NIXL does not load
   it is skipped (``skipped`` says so).
 - ``link_down`` (``link``, testbed only: root and network namespaces): ``ip link set
-  down`` on the link of a source mid-read; its reads time out, the hub expires it,
-  the fetch completes from the other holder.
+  down`` on the link of a source mid-read; the hub expires it and tells the reader,
+  which re-plans its reads from it long before its own read timeout; the fetch
+  completes from the other holder.
 - ``bad_token``: from the fetch's start until it returns, requests with a wrong token
   go, one at a time, alternately to the hub and to the holder's peer channel; each
   must be refused (``auth``), the hub's ``errors.auth`` counter must grow by exactly
