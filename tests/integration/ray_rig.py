@@ -24,6 +24,10 @@ import psutil
 from ..conftest import REPO, free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+# SIGTERM to SIGKILL. Waiting longer buys nothing: 20 s after SIGTERM both `ray start
+# --block` processes, the GCS and the autoscaler monitor still ran, the raylets and
+# workers they had not reaped lay as zombies, and SIGKILL ended them all the same.
+GRACE_S = 5.0
 
 
 def ray_env(extra: dict | None = None) -> dict:
@@ -78,9 +82,9 @@ class RayNode:
         except psutil.NoSuchProcess:
             return []
 
-    def stop(self, timeout: float = 20.0) -> list[int]:
+    def stop(self, timeout: float | None = None) -> list[int]:
         """Stop it and everything it started; the PIDs still alive after SIGKILL (none)."""
-        return stop_all([self], timeout)
+        return stop_all([self], GRACE_S if timeout is None else timeout)
 
     def kill(self) -> list[int]:
         """The node dies at once (SIGKILL to its whole tree): Ray sees it leave."""
@@ -99,10 +103,11 @@ class RayNode:
         return [p.pid for p in alive]
 
 
-def stop_all(nodes: list[RayNode], timeout: float = 20.0) -> list[int]:
-    """``stop`` every node at once: one SIGTERM round and one wait, so their shutdowns
-    overlap (node after node, each waited out its slowest process: a two-node teardown
-    took 44 s); the PIDs still alive after SIGKILL (none)."""
+def stop_all(nodes: list[RayNode], timeout: float | None = None) -> list[int]:
+    """``stop`` every node at once: one SIGTERM round and one wait (``GRACE_S``), so
+    their shutdowns overlap (node after node, each waited out its slowest process: a
+    two-node teardown took 44 s); the PIDs still alive after SIGKILL (none)."""
+    timeout = GRACE_S if timeout is None else timeout
     trees = [node.tree() for node in nodes]
     _each([q for tree in trees for q in tree], lambda q: q.send_signal(signal.SIGTERM))
     _, alive = psutil.wait_procs([q for tree in trees for q in tree], timeout=timeout)

@@ -2,7 +2,7 @@
 
 A user's script ends without ``shutdown_weight_transfer_engine`` (nothing says it
 must): the interpreter exits with the engine, its workers and their endpoints still
-up. Engines are started and ended in a loop (``vllm_driver exit``: start, init, take a
+up. Engines are started and ended (``vllm_driver exit``: start, init, take a
 version, print ``done``, return from main), with the backend and without it; the time
 from ``done`` to the process's exit is compared. With the hub gone first (a cluster
 torn down before its jobs end), the exit must still be prompt: the endpoint cannot
@@ -75,8 +75,8 @@ def test_an_engine_with_the_backend_exits_as_promptly_as_one_without_it(tmp_path
         assert trainer.stdout.readline().startswith("@th"), "the trainer did not start"
         init = {"hub": address, "token_file": str(token_file), "model": "policy", "engine": "tcp"}
         bare = run_once(tmp_path / "A", None)
-        took = [run_once(tmp_path / "A", {**init, "name": f"exit{i}"}) for i in range(2)]
-        assert max(took) <= bare + EXIT_S, f"exits took {took} s with the backend, {bare:.1f} s without"
+        took = run_once(tmp_path / "A", {**init, "name": "exit0"})
+        assert took <= bare + EXIT_S, f"the exit took {took:.1f} s with the backend, {bare:.1f} s without"
 
         def kill():
             client.close()
