@@ -23,8 +23,10 @@ Stopping a read. A read in flight cannot be abandoned while its thread may still
 write into the target memory (contract 3: the hub must count it against its source
 until it really ended). ``release`` of a pending read asks it to stop: a read not
 started yet is cancelled; a running one has its socket shut down, which ends its
-blocking receive, or its connect (the socket is the read's before it connects), at once. ``release`` returns True only once the read's thread is
-done with the memory; until then the caller keeps the transfer and asks again.
+blocking receive at once, or its connect (the socket is the read's before it
+connects: a holder whose link is down would hold a dial for the whole ``timeout``).
+``release`` returns True only once the read's thread is done with the memory; until
+then the caller keeps the transfer and asks again.
 
 Completion. ``when_over(read, fn)`` hangs ``fn`` on the read's own future: it is
 called by the read's pool thread as the read ends (or at once when it has), never by a
