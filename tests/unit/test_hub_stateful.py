@@ -1,4 +1,4 @@
-"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(l).
+"""Hypothesis stateful test of the pure hub: random interleavings, invariants (a)–(o).
 
 The test keeps its own *truth* — what each simulated process really holds in memory
 and which reads it really has in flight — and checks the hub against it after every
@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tensorhub_cli.hub import protocol as p
 from tensorhub_cli.hub.retention import Policy, retained
-from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault
+from tensorhub_cli.hub.machine import Acked, Answered, Hub, HubConfig, HubFault, Send
 from tensorhub_cli.planner import copies
 
 from .hubkit import EXPIRY, info, manifest
@@ -92,6 +92,11 @@ class Proc:
         i = info(self.name, node=node, rack=rack, dc=dc, kind=kind, reliable=reliable, group=group, pid=self.pid)
         i.incarnation = self.incarnation
         return i
+
+    def in_flight_tables(self):
+        """(key, {chunk: source}) of every transfer table: waiting, reading, zombies."""
+        for table in (self.waiting, self.reading, self.zombies):
+            yield from table.items()
 
     def in_flight(self, key: tuple[str, int]) -> dict[int, str]:
         """Every transfer into this process's memory for ``key``: reads and zombies, and
@@ -186,12 +191,27 @@ class HubMachine(RuleBasedStateMachine):
                 self.check_answer(event)
             elif event.body.action == "unpublish":
                 self.told.add((event.endpoint, event.body.version))
+            elif event.body.action == "replan":
+                continue  # (checked where endpoints are dropped: ``check_replans``)
             else:
                 self.check_command(event)
                 self.commands.add((event.endpoint, event.body.version))
         # the hub keeps a withdrawal (timed out or not) until its replicas are gone
         live = {(w.version.number, w.node) for w in self.hub.withdrawals.values()}
         self.withdrawing &= live
+
+    def check_replans(self, dead: list[str]) -> None:
+        """(o) once the hub dropped endpoints, every live reader with a transfer from one
+        of them (reading, waiting on it, or a zombie) is told to replan that version:
+        a source whose link went down fails no read by itself. Nobody else is."""
+        events = self.hub.take_outbound()
+        told = {(e.endpoint, e.body.version) for e in events
+                if isinstance(e, Send) and e.body.action == "replan"}
+        owed = {(proc.name, key[1]) for proc in self.procs.values() if proc.name in self.hub.endpoints
+                for key, reads in proc.in_flight_tables() if set(reads.values()) & set(dead)}
+        assert owed <= told, f"(o) not told to replan: {sorted(owed - told)} (dropped {dead})"
+        assert told <= owed, f"(o) told to replan with nothing from a dropped endpoint: {sorted(told - owed)}"
+        self.handle(events)
 
     def whole_withdrawn(self) -> set[int]:
         return {n for n, node in self.withdrawing if not node}
@@ -640,10 +660,26 @@ class HubMachine(RuleBasedStateMachine):
         self.hub.excuse(self.now, dt)
         assert all(ep.last_seen <= self.now for ep in self.hub.endpoints.values())
 
+    @rule(data=st.data())
+    def source_falls_silent(self, data):
+        """A source whose link goes down mid-read: it stops beating while everyone else
+        beats on, until the sweep drops it (so (o) meets readers with reads from it,
+        which random silences rarely make)."""
+        sources = sorted({s for proc in self.procs.values() if proc.registered
+                          for _, reads in proc.in_flight_tables() for s in reads.values()
+                          if s != proc.name and self.procs[s].registered})
+        if not sources:
+            return
+        silent = data.draw(st.sampled_from(sources))
+        for _ in range(2):
+            self.advance(EXPIRY * 0.6, {silent})
+        self.sweep()
+
     @rule()
     def sweep(self):
         """The service's periodic expiry, which may lag behind the clock."""
         dead = self.hub.expire(self.now)
+        self.check_replans(dead)
         for name in dead:  # silent past expiry: treated as dead, their reads fenced
             self.procs[name].registered = False
             self.procs[name].reading.clear()
