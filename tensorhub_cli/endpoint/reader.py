@@ -32,10 +32,9 @@ A chunk is in exactly one state:
   the chunk is neither read again nor reported (contract 3).
 
 Results go to the hub in batches: once ``report_every`` chunks are verified (by
-default all: ``batch``), at once for a failure (so the hub re-parents the chunk), at
-once when the hub says a source of ours is gone (``Replan``: the answer moves its
-chunks, and a read in flight from it is given up as for a timeout), and when nothing
-else is in flight.
+default all: ``batch``), at once for a failure (so the hub re-parents the chunk) or a
+``Replan`` (the hub dropped a source: its answer moves our reads from it, as a move
+gives up a read in flight), and when nothing else is in flight.
 The answer to a report is the reads still outstanding; the reader is done when the
 hub answers ``complete``.
 """

@@ -93,15 +93,14 @@ class Proc:
         i.incarnation = self.incarnation
         return i
 
-    def in_flight_tables(self):
-        """(key, {chunk: source}) of every transfer table: waiting, reading, zombies."""
-        for table in (self.waiting, self.reading, self.zombies):
-            yield from table.items()
-
     def in_flight(self, key: tuple[str, int]) -> dict[int, str]:
         """Every transfer into this process's memory for ``key``: reads and zombies, and
         the scheduled reads that will start on their source's notice."""
         return {**self.waiting.get(key, {}), **self.reading.get(key, {}), **self.zombies.get(key, {})}
+
+    def transfers(self) -> dict[tuple[str, int], dict[int, str]]:
+        """``in_flight`` of every key with any."""
+        return {key: self.in_flight(key) for key in {*self.waiting, *self.reading, *self.zombies}}
 
 
 class HubMachine(RuleBasedStateMachine):
@@ -208,7 +207,7 @@ class HubMachine(RuleBasedStateMachine):
         told = {(e.endpoint, e.body.version) for e in events
                 if isinstance(e, Send) and e.body.action == "replan"}
         owed = {(proc.name, key[1]) for proc in self.procs.values() if proc.name in self.hub.endpoints
-                for key, reads in proc.in_flight_tables() if set(reads.values()) & set(dead)}
+                for key, reads in proc.transfers().items() if set(reads.values()) & set(dead)}
         assert owed <= told, f"(o) not told to replan: {sorted(owed - told)} (dropped {dead})"
         assert told <= owed, f"(o) told to replan with nothing from a dropped endpoint: {sorted(told - owed)}"
         self.handle(events)
@@ -666,7 +665,7 @@ class HubMachine(RuleBasedStateMachine):
         beats on, until the sweep drops it (so (o) meets readers with reads from it,
         which random silences rarely make)."""
         sources = sorted({s for proc in self.procs.values() if proc.registered
-                          for _, reads in proc.in_flight_tables() for s in reads.values()
+                          for reads in proc.transfers().values() for s in reads.values()
                           if s != proc.name and self.procs[s].registered})
         if not sources:
             return
