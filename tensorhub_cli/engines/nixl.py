@@ -30,6 +30,14 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   agent adds the new regions (checked), so one remote agent per holder serves every
   version it publishes. A description without a device id (an older holder) reads as
   device 0, which is what readers assumed before.
+- UCX's TCP segments: the description also carries the holder's send segment
+  (``nixl_shim.tcp_segments``), and ``add_peer`` refuses a holder whose send segment is
+  larger than our receive segment, naming ``UCX_TCP_RX_SEG_SIZE``: UCX would write past
+  our buffer (``nixl_shim``). A description without it (an older holder) sends UCX's
+  default segments, which every receive segment UCX accepts can take. The device id and
+  the segment travel as a map where older holders put a bare device id: an older reader,
+  which cannot check the segment, refuses the description (not a device id) instead of
+  reading through a mismatch.
 
 Giving up a read. Over UCX, releasing a READ still in progress returns without
 error but does not stop it: the GET may still land in our memory later (NIXL issue
@@ -75,7 +83,7 @@ import msgspec
 
 from . import nixl_progress
 from .base import Engine, EngineError, Pair, Region, State
-from .nixl_shim import load_nixl
+from .nixl_shim import UCX_TCP_SEGMENTS, load_nixl, tcp_segments
 
 _STATES = {"DONE": "done", "PROC": "pending"}
 log = logging.getLogger("tensorhub.nixl")
@@ -107,6 +115,7 @@ class NixlEngine(Engine):
         """``device``: the CUDA device this process's tensors live on, when known (it
         picks this process's NIC from a per-GPU ``ucx_net_devices``: ``nixl_shim``)."""
         nixl = load_nixl() if device is None else load_nixl(device)
+        self._tcp_tx, self._tcp_rx = tcp_segments(os.environ)  # (as UCX reads them: load_nixl set them)
         self._lock = threading.Lock()
         self._posted: dict = {}  # transfer handles not released yet -> the remote agent each reads
         self._sizes: dict = {}  # the same handles -> bytes each reads (the watcher's predictions)
@@ -135,7 +144,7 @@ class NixlEngine(Engine):
         mem, reg, device = handle
         with self._lock:
             md = self._agent.get_partial_agent_metadata(reg, inc_conn_info=True)
-        return msgspec.msgpack.encode([mem, md, device])
+        return msgspec.msgpack.encode([mem, md, {"device": device, "tcp_tx_seg": self._tcp_tx}])
 
     def deregister(self, handle: object) -> None:
         with self._lock:
@@ -144,9 +153,21 @@ class NixlEngine(Engine):
     def add_peer(self, address: str, description: bytes) -> object:
         try:
             mem, md, *rest = msgspec.msgpack.decode(description)
-            device = rest[0] if rest else 0  # an older holder's description: it meant device 0
+            held = rest[0] if rest else 0  # (an older holder's: a bare device id, or none, meaning 0)
+            device, tx = ((held.get("device"), held.get("tcp_tx_seg")) if isinstance(held, dict)
+                          else (held, UCX_TCP_SEGMENTS[0]))  # (and UCX's default segments)
             if mem not in ("DRAM", "VRAM") or not isinstance(device, int) or device < 0:
                 raise ValueError(f"memory {mem!r} on device {device!r}")
+            if tx is not None and not (isinstance(tx, int) and tx > 0):
+                raise ValueError(f"a TCP send segment of {tx!r}")
+        except Exception as exc:
+            raise EngineError(f"cannot load NIXL metadata of {address}: {exc}") from exc
+        if tx is not None and self._tcp_rx is not None and tx > self._tcp_rx:
+            raise EngineError(f"{address} sends UCX TCP segments of {tx} bytes, larger than this process's "
+                              f"receive segment of {self._tcp_rx} (UCX_TCP_RX_SEG_SIZE); UCX would write past "
+                              f"it. Set UCX_TCP_RX_SEG_SIZE to at least {tx} here, or the same UCX_TCP_* "
+                              f"variables on every node")
+        try:
             with self._lock:
                 return NixlPeer(self._agent.add_remote_agent(md), mem, device)
         except Exception as exc:  # nixl raises its own binding errors
@@ -236,8 +257,11 @@ class NixlEngine(Engine):
             return False
 
     def progress(self) -> None:
+        """After ``close`` dropped the agent there is nothing left to serve: a pace the
+        endpoint has not lifted yet must not fail (and log) on the way out."""
         with self._lock:
-            self._agent.get_new_notifs()
+            if self._agent is not None:
+                self._agent.get_new_notifs()
 
     def close(self, timeout: float = 5.0) -> None:
         """Release every posted transfer (bounded by ``timeout``), then drop the agent;

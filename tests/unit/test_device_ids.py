@@ -113,18 +113,45 @@ def test_a_read_that_names_the_holders_device_must_agree_with_its_description(ma
     assert reader_agent.xfer_descs[1] == ("VRAM", [(HOLDER_ADDR, N, 3)])
 
 
-def test_the_description_carries_the_device_and_an_older_one_reads_as_device_0(make_engine):
+def test_the_description_carries_the_device_and_an_older_one_reads_as_device_0(make_engine, monkeypatch):
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256k")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "512k")
     holder, _ = make_engine("holder")
-    mem, md, device = msgspec.msgpack.decode(holder.describe(holder.register([Region(HOLDER_ADDR, N, 5)])))
-    assert (mem, md, device) == ("VRAM", b"md-of-holder", 5)
+    mem, md, held = msgspec.msgpack.decode(holder.describe(holder.register([Region(HOLDER_ADDR, N, 5)])))
+    assert (mem, md, held) == ("VRAM", b"md-of-holder", {"device": 5, "tcp_tx_seg": 256 << 10})
     reader, reader_agent = make_engine("reader")
-    old = reader.add_peer("127.0.0.1:1", msgspec.msgpack.encode(["VRAM", b"md-of-holder"]))
-    reader.read(old, [Pair(HOLDER_ADDR, READER_ADDR, N)], 1)
-    assert reader_agent.xfer_descs[-1] == ("VRAM", [(HOLDER_ADDR, N, 0)])
+    older = [msgspec.msgpack.encode(["VRAM", b"md-of-holder"]), msgspec.msgpack.encode(["VRAM", b"md-of-holder", 0])]
+    for description in older:  # (and UCX's default 8 KiB segments, which any receive segment takes)
+        peer = reader.add_peer("127.0.0.1:1", description)
+        reader.read(peer, [Pair(HOLDER_ADDR, READER_ADDR, N)], 1)
+        assert reader_agent.xfer_descs[-1] == ("VRAM", [(HOLDER_ADDR, N, 0)])
+
+
+def test_a_holder_whose_tcp_segments_exceed_our_receive_segment_is_refused_naming_the_variable(make_engine,
+                                                                                                monkeypatch):
+    """UCX would write the holder's 256 KiB answers past our 64 KiB buffer (nixl_shim)."""
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256k")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "512k")
+    holder, _ = make_engine("holder")
+    description = holder.describe(holder.register([Region(HOLDER_ADDR, N, -1)]))
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64k")
+    small, small_agent = make_engine("small")
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1:1 sends UCX TCP segments of 262144 bytes, larger than "
+                                          r"this process's receive segment of 65536 \(UCX_TCP_RX_SEG_SIZE\)"):
+        small.add_peer("127.0.0.1:1", description)
+    assert small_agent.loaded == []  # refused before NIXL connected anything
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256k")  # (as large as its segments: enough)
+    big, big_agent = make_engine("big")
+    big.add_peer("127.0.0.1:1", description)
+    assert big_agent.loaded == [b"md-of-holder"]
 
 
 @pytest.mark.parametrize("description", [msgspec.msgpack.encode(["VRAM", b"md", -2]),
-                                         msgspec.msgpack.encode(["HBM", b"md", 1]), b"\xc1"])
+                                         msgspec.msgpack.encode(["HBM", b"md", 1]), b"\xc1",
+                                         msgspec.msgpack.encode(["DRAM", b"md", {"device": "0"}]),
+                                         msgspec.msgpack.encode(["DRAM", b"md", {"device": 0, "tcp_tx_seg": -1}]),
+                                         msgspec.msgpack.encode(["DRAM", b"md", {"device": 0, "tcp_tx_seg": "8k"}])])
 def test_a_bad_description_is_refused_when_loaded(make_engine, description):
     reader, _ = make_engine("reader")
     with pytest.raises(EngineError, match="cannot load NIXL metadata of 127.0.0.1:1"):

@@ -1,7 +1,8 @@
 """The UCX environment NIXL starts with (engines.nixl_shim), against a fake
 /sys/class/infiniband tree: InfiniBand stays on wherever a device exists, ``^ib`` only
 where none does, a user's UCX variables always win, and a node's per-GPU NIC list gives
-each process its GPU's NIC. Also the spec field's way to the processes (launch)."""
+each process its GPU's NIC; UCX's TCP segments are ours unless the user set them. Also
+the spec field's way to the processes (launch)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from tensorhub_cli.engines import nixl_shim
-from tensorhub_cli.engines.nixl_shim import ib_devices, net_devices_for, process_gpu, ucx_environment
+from tensorhub_cli.engines.nixl_shim import TCP_SEGMENTS, ib_devices, net_devices_for, process_gpu, ucx_environment
 from tensorhub_cli.launch.cluster import agent_args
 from tensorhub_cli.launch.launchers import ucx_net_devices_args
 from tensorhub_cli.launch.scale import Operator
@@ -40,9 +41,28 @@ def test_ib_devices_are_listed_from_the_tree(tmp_path, no_ib, with_ib):
 
 
 def test_ib_is_switched_off_only_where_no_device_exists(no_ib, with_ib, tmp_path):
-    assert ucx_environment({}, ib_root=no_ib) == {"UCX_MODULES": "^ib"}
-    assert ucx_environment({}, ib_root=tmp_path / "absent") == {"UCX_MODULES": "^ib"}
-    assert ucx_environment({}, ib_root=with_ib) == {}
+    assert ucx_environment({}, ib_root=no_ib) == {"UCX_MODULES": "^ib", **TCP_SEGMENTS}
+    assert ucx_environment({}, ib_root=tmp_path / "absent") == {"UCX_MODULES": "^ib", **TCP_SEGMENTS}
+    assert ucx_environment({}, ib_root=with_ib) == TCP_SEGMENTS
+
+
+@pytest.mark.parametrize("users", [{"UCX_TCP_TX_SEG_SIZE": "1m"}, {"UCX_TCP_RX_SEG_SIZE": "64k"},
+                                   {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "8k"}])
+def test_ucx_tcp_segments_are_ours_only_where_the_user_set_neither(no_ib, users):
+    """(Ours beside one of the user's could make UCX's receive segment the smaller, which
+    it refuses: a user's 1m send segment beside our 512k receive one.)"""
+    assert set(TCP_SEGMENTS) == {"UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"}
+    assert not set(TCP_SEGMENTS) & set(ucx_environment(users, ib_root=no_ib))
+
+
+@pytest.mark.parametrize("environ,want", [
+    ({}, (8 << 10, 64 << 10)),  # UCX's own
+    (TCP_SEGMENTS, (256 << 10, 512 << 10)),
+    ({"UCX_TCP_TX_SEG_SIZE": "16kb", "UCX_TCP_RX_SEG_SIZE": "2M"}, (16 << 10, 2 << 20)),
+    ({"UCX_TCP_TX_SEG_SIZE": "65536", "UCX_TCP_RX_SEG_SIZE": "inf"}, (65536, None)),  # (None: not ours to read)
+])
+def test_the_tcp_segments_ucx_uses_are_read_as_ucx_reads_them(environ, want):
+    assert nixl_shim.tcp_segments(environ) == want
 
 
 @pytest.mark.parametrize("tree", ["no_ib", "with_ib"])
@@ -81,10 +101,10 @@ def test_net_devices_for_a_gpu(spec, gpu, want):
 
 def test_the_nodes_net_devices_go_to_the_processs_gpu_unless_the_user_set_them(with_ib):
     environ = {"TH_UCX_NET_DEVICES": PER_GPU, "CUDA_VISIBLE_DEVICES": "1"}
-    assert ucx_environment(environ, ib_root=with_ib) == {"UCX_NET_DEVICES": "mlx5_1:1"}
-    assert ucx_environment(environ, ib_root=with_ib, device=0) == {"UCX_NET_DEVICES": "mlx5_1:1"}
-    assert ucx_environment({**environ, "UCX_NET_DEVICES": "mlx5_3:1"}, ib_root=with_ib) == {}
-    assert ucx_environment({}, ib_root=with_ib) == {}  # a node without the field
+    assert ucx_environment(environ, ib_root=with_ib) == {"UCX_NET_DEVICES": "mlx5_1:1", **TCP_SEGMENTS}
+    assert ucx_environment(environ, ib_root=with_ib, device=0) == {"UCX_NET_DEVICES": "mlx5_1:1", **TCP_SEGMENTS}
+    assert ucx_environment({**environ, "UCX_NET_DEVICES": "mlx5_3:1"}, ib_root=with_ib) == TCP_SEGMENTS
+    assert ucx_environment({}, ib_root=with_ib) == TCP_SEGMENTS  # a node without the field
 
 
 @pytest.fixture
@@ -95,7 +115,7 @@ def fake_nixl(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "fakenixl", ModuleType("fakenixl"))
     monkeypatch.setitem(sys.modules, "fakenixl._api", api)
     monkeypatch.setenv("TH_NIXL_MODULE", "fakenixl")
-    for var in ("UCX_MODULES", "UCX_NET_DEVICES", "TH_UCX_NET_DEVICES", "CUDA_VISIBLE_DEVICES"):
+    for var in ("UCX_MODULES", "UCX_NET_DEVICES", "TH_UCX_NET_DEVICES", "CUDA_VISIBLE_DEVICES", *TCP_SEGMENTS):
         monkeypatch.setenv(var, "")  # (recorded first, so whatever load_nixl sets is undone after the test)
         monkeypatch.delenv(var)
     return api

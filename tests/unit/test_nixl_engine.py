@@ -150,3 +150,13 @@ def test_close_stops_the_watcher_thread(engine):
     eng.close(timeout=5)  # releases the pending READ (disconnect: ERR), then stops the watcher
     assert not thread.is_alive(), "the watcher thread outlived close"
     assert over.states == ["failed"]
+
+
+def test_progress_after_close_serves_nothing_and_does_not_fail(engine):
+    """A pace the endpoint has not lifted yet may call ``progress`` once more after
+    ``close`` dropped the agent: nothing is left to serve, and nothing may fail."""
+    eng, agent, xfer = engine
+    agent.states[xfer] = "DONE"
+    eng.close(timeout=1)
+    assert eng._agent is None
+    eng.progress()
