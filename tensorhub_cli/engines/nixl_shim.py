@@ -26,10 +26,11 @@ of this process set: the first one decides).
   one-sided READ is emulated: the holder answers it in messages of at most one TX segment,
   each a ``send(2)`` of its own, and UCX's default segment is 8 KiB. On the 8-node testbed
   (N = 7) a relaying reader made 20,539 ``sendto`` calls in 8 s with the defaults, 1,384
-  with these, and the fan-out spent 11 % less CPU and took 7 % less time (rounds of both
-  interleaved on one testbed; docs/design.md, "UCX's TCP segments"). Both are set, or
-  neither: UCX refuses a receive segment smaller than its send segment, so a user who set
-  either keeps UCX's default for the other. RDMA transports do not read these variables.
+  with these, and the fan-out spent 8–11 % less CPU and took 2–7 % less time (two runs,
+  rounds of both interleaved on one testbed; docs/design.md, "UCX's TCP segments, and
+  what a wake costs"). Both are set, or neither: UCX refuses a receive segment smaller
+  than its send segment, so a user who set either keeps UCX's default for the other.
+  RDMA transports do not read these variables.
   Peers must agree: UCX sends a segment to a peer without asking that peer's receive
   segment, and one larger than it corrupts the receiver's memory (measured: the bytes
   read were right, and the reader died with SIGSEGV at exit). So a NIXL holder's
