@@ -246,6 +246,35 @@ def test_the_watcher_learns_the_rate_and_checks_a_transfer_only_near_its_predict
         watcher.close()
 
 
+def test_where_the_engine_must_be_progressed_a_read_is_checked_every_max_s_far_from_its_predicted_end():
+    """Over UCX's TCP transport our READ moves only while our own worker is progressed,
+    and a check progresses it: left until its predicted end, the socket stayed full and
+    the holder stalled (``engines.watcher``, "Our own reads"). The contrast is the test
+    above, whose engine needs no progress: no check long before the predicted end."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    check = Checked()
+    states, checked = check.states, check.at
+    serve = Served()
+    watcher = Watcher(check, max_s=4e-3, serve=serve)
+    try:
+        teach_10_mb_per_s(watcher, check)
+        states[1] = "pending"
+        second = Calls()
+        t0 = time.monotonic()
+        watcher.watch(1, second, nbytes=3_000_000)  # predicted 0.3 s
+        time.sleep(0.2)
+        early = sorted(at for at, t in checked if t == 1 and t0 + 0.02 < at < t0 + 0.2)
+        gaps = [b - a for a, b in zip(early, early[1:])]
+        assert len(early) >= 20 and max(gaps) < 0.05, \
+            f"{len(early)} checks in the 0.18 s before the predicted end, longest gap {max(gaps, default=1):.3f} s"
+        assert serve.at == [], "unpaced, it checks our reads; it serves nobody"
+        states[1] = "done"
+        second.wait()
+    finally:
+        watcher.close()
+
+
 def test_a_late_notice_does_not_teach_the_watcher_to_sleep_longer():
     """Regression (a testbed fetch slowed to a crawl): after one slow transfer, faster
     ones were each noticed at the slow one's predicted end and counted as that slow,
