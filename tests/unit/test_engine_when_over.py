@@ -246,17 +246,21 @@ def test_the_watcher_learns_the_rate_and_checks_a_transfer_only_near_its_predict
         watcher.close()
 
 
+def serving_watcher():
+    """A watcher whose engine must be progressed (its ``serve`` counted), checks 4 ms apart at most."""
+    from tensorhub_cli.engines.watcher import Watcher
+
+    check, serve = Checked(), Served()
+    return Watcher(check, max_s=4e-3, serve=serve), check, serve
+
+
 def test_where_the_engine_must_be_progressed_a_read_is_checked_every_max_s_far_from_its_predicted_end():
     """Over UCX's TCP transport our READ moves only while our own worker is progressed,
     and a check progresses it: left until its predicted end, the socket stayed full and
     the holder stalled (``engines.watcher``, "Our own reads"). The contrast is the test
     above, whose engine needs no progress: no check long before the predicted end."""
-    from tensorhub_cli.engines.watcher import Watcher
-
-    check = Checked()
+    watcher, check, serve = serving_watcher()
     states, checked = check.states, check.at
-    serve = Served()
-    watcher = Watcher(check, max_s=4e-3, serve=serve)
     try:
         teach_10_mb_per_s(watcher, check)
         states[1] = "pending"
@@ -336,12 +340,8 @@ def test_while_paced_a_read_near_its_predicted_end_is_checked_as_finely_and_serv
     """Pacing adds serving wakes (a round then checks our reads too) but never coarsens
     the checks near a read's predicted end (``expect / FINE`` apart): put off to the
     pace, or to ``max_s``, a fast read's end would be noticed that late."""
-    from tensorhub_cli.engines.watcher import Watcher
-
-    check = Checked()
+    watcher, check, serve = serving_watcher()
     states, checked = check.states, check.at
-    serve = Served()
-    watcher = Watcher(check, max_s=4e-3, serve=serve)
     try:
         teach_10_mb_per_s(watcher, check)
         watcher.pace(0.05)
