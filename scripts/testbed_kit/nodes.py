@@ -81,9 +81,6 @@ def sshd_config(node: Node, node_dir: Path, authorized_keys: Path) -> Path:
     return conf
 
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
 def _children(pid: int) -> list[int]:
     try:
         return [kid.pid for kid in psutil.Process(pid).children()]
@@ -100,17 +97,14 @@ def _cmdline(pid: int) -> str:
 
 def starttime(pid: int) -> int | None:
     """Kernel start time of ``pid`` in clock ticks since boot, or None if it is gone."""
-    # psutil gives boot time + ticks / CLK_TCK; boot time (/proc/stat btime) moves when
-    # the clock is stepped, so it is read on both sides and the read retried if it moved.
+    # Field 22 of /proc/PID/stat itself: psutil's create_time() less boot_time() is
+    # wall-clock on both sides and moves when the clock is stepped between the reads.
     try:
-        for _ in range(3):
-            boot = psutil.boot_time()
-            created = psutil.Process(pid).create_time()
-            if psutil.boot_time() == boot:
-                break
-    except psutil.NoSuchProcess:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
         return None
-    return round((created - boot) * CLK_TCK)
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def start_sshd(node: Node, node_dir: Path, authorized_keys: Path, timeout: float = 15.0) -> dict:

@@ -5,8 +5,8 @@ log file) and returns a ``ProcRecord``. A record names a process by PID *and* ke
 start time *and* a marker in its command line, so ``is_ours`` is false once the PID has
 been reused by anything else, and ``stop`` can never signal a stranger.
 
-Process facts come from psutil. The start time is stored as the kernel's own number,
-clock ticks from boot to the process's start (field 22 of ``/proc/PID/stat``), not as
+Process facts come from psutil, but for the start time: the kernel's own number, read
+from ``/proc/PID/stat`` (field 22, clock ticks from boot to the process's start), not
 psutil's wall-clock ``create_time()``: ticks never move when the system clock is
 stepped (NTP, a resumed VM), so a record written by ``th up`` still matches in a later
 ``th down``; it is also the number an ssh node's shell reports (``launch/ssh.py``), and
@@ -28,7 +28,6 @@ from pathlib import Path
 import msgspec
 import psutil
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 STOP_TIMEOUT_S = 5.0  # default grace between SIGTERM (or USR1) and SIGKILL
 KILL_TIMEOUT_S = 2.0  # default wait for a SIGKILLed process to be gone
 CHILD_TIMEOUT_S = 10.0  # default wait for a child we hold to exit after each signal
@@ -52,19 +51,23 @@ def endpoint_name(rec: ProcRecord) -> str:
     return rec.name or f"{rec.role}-{rec.node}"
 
 
+def stat_fields(stat: str) -> list[str]:
+    """Fields 3.. of a /proc/PID/stat line (index 0 is field 3: the state)."""
+    # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def start_ticks(pid: int) -> int:
     """The kernel's start time of process ``pid``, in clock ticks since boot.
     Raises ``psutil.NoSuchProcess`` when there is no such process."""
-    # psutil reports boot time + ticks / CLK_TCK, where boot time is /proc/stat's btime,
-    # which shifts when the clock is stepped. Equal btime reads on both sides of the
-    # create_time read make the subtraction exact; a fresh Process each try, since a
-    # Process caches its create_time.
-    for _ in range(3):
-        boot = psutil.boot_time()
-        created = psutil.Process(pid).create_time()
-        if psutil.boot_time() == boot:
-            break
-    return round((created - boot) * CLK_TCK)
+    # Read from /proc, not derived from psutil's create_time() less boot_time(): both
+    # are wall-clock (btime moves when the clock is stepped), and a step between the
+    # two reads put one CI run 100 ticks off, so a live process was "not ours".
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(stat_fields(f.read())[19])
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(pid) from None
 
 
 def cpu_seconds(pid: int) -> float:

@@ -36,17 +36,11 @@ import paramiko
 
 from ..spec import ClusterSpec, PlacedNode
 from ..tokens import token_shell
-from .procs import STOP_TIMEOUT_S, ProcRecord
+from .procs import STOP_TIMEOUT_S, ProcRecord, stat_fields
 
 EXEC_TIMEOUT_S = 20.0  # default limit of one remote command (and of silence in a stream)
 CHECK_TIMEOUT_S = 60.0  # default limit of the preflight check: a cold node's first Python import
 UNRECORDED_KILL_TIMEOUT_S = 10.0  # default limit of the clean-up after a start that timed out
-
-
-def stat_fields(stat: str) -> list[str]:
-    """Fields 3.. of a /proc/PID/stat line a node sent (index 0 is field 3: the state)."""
-    # comm (field 2) may hold spaces or parentheses; fields after the last ')' are fixed.
-    return stat[stat.rindex(")") + 2 :].split()
 
 
 def matches(rec: ProcRecord, stat: str, cmdline: str) -> bool:

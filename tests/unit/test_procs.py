@@ -41,6 +41,19 @@ def test_start_time_is_the_kernels_clock_ticks(sleeper):
     assert is_ours(sleeper)
 
 
+def test_a_stepped_wall_clock_does_not_move_the_start_time(sleeper, monkeypatch):
+    # btime (/proc/stat) is wall-clock: a step or a VM resume moves it between two reads.
+    # Alternate it by a second on every read, the worst a stepping clock can do.
+    import itertools
+    import psutil._pslinux
+
+    btimes = itertools.cycle([psutil.boot_time(), psutil.boot_time() + 1.0])
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: next(btimes))
+    for _ in range(4):
+        assert start_ticks(sleeper.pid) == kernel_starttime(sleeper.pid) == sleeper.starttime
+        assert is_ours(sleeper)
+
+
 def test_a_reused_pid_or_another_program_is_not_ours(sleeper):
     assert not is_ours(ProcRecord(**{**_fields(sleeper), "starttime": sleeper.starttime + 1}))
     assert not is_ours(ProcRecord(**{**_fields(sleeper), "marker": "tensorhub_cli.agent"}))
