@@ -17,7 +17,8 @@ the deadline): nothing here polls.
 - ``Await``: ``wire.await_chunks`` on the source (a thread per source waited on), or
   ``wire.await_fragments`` when the core reads fragments, on a connection kept per source
   for the fetch (``wire.Kept``): its answer is ``Noticed``; a refusal or a dead source,
-  ``AwaitFailed``.
+  ``AwaitFailed``. A wait still out when the fetch ends is called off then
+  (``KeptByHolder.close``): a source gone silent holds no thread past the fetch.
 - ``Relay``: ``Replica.mark_landed``: readers waiting on us for fragments of the chunk hear
   of the bytes landed.
 - Fragments: ``TH_RELAY_FRAGMENTS`` reads a chunk (``FRAGMENTS`` by default; 1: whole chunks
@@ -108,6 +109,7 @@ class ScheduledFetch(Fetch):
         waits = ThreadPoolExecutor(8, thread_name_prefix="th-await")
         self._waits = waits
         self._kept = wire.KeptByHolder(self.ep.host)  # (the core has one Await out per source)
+        self._ended = False
         self._hub = hub
         events: list = []
         h.replan = lambda: self.q.put(("replan",))
@@ -133,9 +135,10 @@ class ScheduledFetch(Fetch):
                 events = [e for e in events if e is not None]
         finally:
             h.replan = None
+            self._ended = True
             waits.shutdown(wait=False, cancel_futures=True)
             hub.shutdown(wait=False, cancel_futures=True)
-            self._kept.close()
+            self._kept.close()  # (a wait still out on a silent source ends now, not in AWAIT_S)
             if self.deltas is not None:  # (a read still running copies nothing once released)
                 self.deltas.close()
 
@@ -301,7 +304,9 @@ class ScheduledFetch(Fetch):
                 have, landed = wire.await_fragments(*args, after, kept=kept)
         except (wire.PeerError, OSError, ValueError) as exc:
             if kept is not None:
-                kept.close()
+                self._kept.drop(kept)
+            if self._ended:
+                return  # (called off as the fetch ended: nobody reads the queue now)
             self._warn(source_name, f"waiting on {source_name} for chunks of {self.held.model}@"
                                     f"{self.held.version} failed: {exc}")
             self.q.put(("await_failed", source_name))

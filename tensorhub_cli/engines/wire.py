@@ -274,71 +274,123 @@ class Kept:
     """One connection to a holder, kept between asks made one at a time: a reader's
     ``Await``s on one source (one outstanding per source), so a notice costs a round trip,
     not a connect and an accept as well (about a quarter of the CPU on loopback). Not for
-    two threads at once. A kept connection the holder closed while it sat idle
-    (``endpoint.peer.IDLE_S``) is dialed again once, for an ask that is safe to repeat;
-    a timeout is not retried. ``close()`` once done; an ask after it dials again."""
+    two threads at once, but for ``abort``. A kept connection the holder closed while it
+    sat idle (``endpoint.peer.IDLE_S``) is dialed again once, for an ask that is safe to
+    repeat; a timeout is not retried. ``close()`` once done; an ask after it dials again."""
 
     def __init__(self, address: str, source: Optional[str] = None):
         self.address, self.source = address, source
         self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()  # (``_sock`` and ``_aborted`` against ``abort``)
+        self._aborted = False
 
     def exchange(self, ask: Ask, timeout: float) -> Answer:
         """Send ``ask``, return its answer; each connect, send and receive gives up after
         ``timeout`` seconds. Raises ``PeerError`` (or ``OSError``) as ``dial`` and
-        ``recv_answer`` do."""
+        ``recv_answer`` do, and ``PeerError`` once ``abort`` was called."""
         payload = frame(ask)
         while True:
-            fresh = self._sock is None
+            with self._lock:
+                sock = self._sock
+            fresh = sock is None
             if fresh:
-                self._sock = dial(self.address, timeout, self.source)
-            sock = self._sock
+                try:
+                    sock = dial(self.address, timeout, self.source, claim=self._claim)
+                except PeerError:
+                    with self._lock:
+                        self._sock = None  # (a socket ``_claim`` kept, closed by ``dial``)
+                    if self._aborted:
+                        raise self._off() from None
+                    raise
             sock.settimeout(timeout)
             try:
                 sock.sendall(payload)
                 return recv_answer(sock)
             except (OSError, PeerError) as exc:
                 self.close()
+                if self._aborted:
+                    raise self._off() from None
                 if fresh or isinstance(exc, TimeoutError):
                     raise
 
+    def _claim(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._aborted:
+                raise self._off()
+            self._sock = sock
+
+    def _off(self) -> PeerError:
+        return PeerError(f"holder at {self.address}: the ask was called off")
+
+    def abort(self) -> None:
+        """From any thread: end the ask in progress (its connect included) at once and
+        every later one (each raises ``PeerError``). Once it returns, the thread asking
+        holds no wait at the holder beyond its next wake-up; it closes the connection."""
+        with self._lock:  # (held across the shutdown: ``close`` cannot free the fd meanwhile)
+            self._aborted = True
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a blocked recv; close stays the asker's)
+                except OSError:
+                    pass  # (not connected yet, or already closed)
+
     def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+        with self._lock:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
 
 
 class KeptByHolder:
     """A ``Kept`` connection per holder name, for a caller that asks each holder one thing
     at a time (the scheduled fetch's ``Await``s: one out per source). ``take`` hands one
     out (kept, or new when none is kept or the holder's address changed), ``put`` keeps it
-    again, ``close`` closes those kept and any put after it. Thread-safe."""
+    again, ``drop`` closes one whose ask failed, ``close`` closes those kept and aborts those out (``Kept.abort``: a wait on a
+    holder that went silent ends now, not at its timeout), and any taken after it comes
+    out aborted. Thread-safe."""
 
     def __init__(self, source: Optional[str] = None):
         self._source = source
         self._lock = threading.Lock()
         self._kept: Optional[dict[str, Kept]] = {}
+        self._out: set[Kept] = set()
 
     def take(self, name: str, address: str) -> Kept:
         with self._lock:
             kept = self._kept.pop(name, None) if self._kept is not None else None
-        if kept is not None and kept.address == address:
+            if kept is not None and kept.address != address:
+                kept.close()  # (the holder registered again elsewhere)
+                kept = None
+            if kept is None:
+                kept = Kept(address, self._source)
+            if self._kept is None:
+                kept.abort()
+            else:
+                self._out.add(kept)
             return kept
-        if kept is not None:  # (the holder registered again elsewhere)
-            kept.close()
-        return Kept(address, self._source)
 
     def put(self, name: str, kept: Kept) -> None:
         with self._lock:
+            self._out.discard(kept)
             if self._kept is not None:
                 self._kept[name] = kept
                 return
         kept.close()  # (closed while this one was out)
 
+    def drop(self, kept: Kept) -> None:
+        """A connection given up (its ask failed): closed, and no longer out."""
+        with self._lock:
+            self._out.discard(kept)
+        kept.close()
+
     def close(self) -> None:
         with self._lock:
             kept, self._kept = self._kept or {}, None
+            out, self._out = self._out, set()
         for k in kept.values():
             k.close()
+        for k in out:
+            k.abort()
 
 
 def _await(address: str, token: str, model: str, version: int, mask: int, timeout: float,

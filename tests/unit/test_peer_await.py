@@ -337,6 +337,41 @@ def test_kept_by_holder_hands_each_holder_its_connection_and_closes_what_comes_b
     assert pool.take("h1", "10.0.0.2:1") is not b
 
 
+def test_closing_the_pool_calls_off_a_wait_out_on_a_silent_holder():
+    """A fetch that ends with a wait out on a holder gone silent (its link down, its
+    process stopped) does not leave that wait holding a thread until the ask's timeout:
+    ``KeptByHolder.close`` ends it, and a wait taken after the close never dials."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    pool = wire.KeptByHolder()
+    conns = []
+    try:
+        kept = pool.take("h1", address)
+        t, out = waiting(wire.await_chunks, address, TOKEN, "m", 1, 0b1, 20.0, kept=kept)
+        conns.append(listener.accept()[0])
+        conns[0].recv(1 << 16)  # (the ask arrived; it is never answered)
+        t.join(timeout=0.3)
+        assert t.is_alive(), f"the wait ended before the pool closed: {out}"
+        closed = time.monotonic()
+        pool.close()
+        t.join(timeout=5)
+        assert not t.is_alive() and out["at"] - closed < 2.0, "the wait outlived the pool's close"
+        assert isinstance(out.get("error"), wire.PeerError) and "called off" in str(out["error"]), out
+        late = pool.take("h1", address)
+        with pytest.raises(wire.PeerError, match="called off"):
+            wire.await_chunks(address, TOKEN, "m", 1, 0b1, 20.0, kept=late)
+        listener.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            conns.append(listener.accept()[0])  # (a wait after the close never dialed)
+    finally:
+        for c in conns:
+            c.close()
+        listener.close()
+
+
 def test_every_authenticated_ask_calls_on_ask_and_a_refused_token_does_not():
     """``on_ask`` is how a holder's engine is paced hot the moment a reader arrives."""
     asks: list[float] = []
