@@ -419,13 +419,14 @@ def test_pace_is_refused_without_serve_and_does_nothing_after_close(caplog):
     assert engine._watch._thread is None
 
 
-def test_a_paced_nixl_holder_serves_a_real_read_with_nobody_calling_progress():
+def test_a_paced_nixl_holder_serves_a_real_read_with_nobody_calling_progress(monkeypatch):
     """Over UCX's TCP or shared-memory transport a holder's worker must be progressed
-    (test_nixl_progress: without it the READ stays pending); ``pace`` has the holder's
-    own watcher do it."""
+    (test_nixl_progress: without it the READ stays pending); where NIXL's progress thread
+    does not (CUDA hosts, or ``TH_NIXL_PROGRESS_THREAD=0``) ``pace`` has the holder's own
+    watcher do it."""
+    monkeypatch.setenv("TH_NIXL_PROGRESS_THREAD", "0")
     with nixl_pair() as (holder, reader, peer, src, dst):
-        if not holder.needs_progress:
-            pytest.skip("NIXL's progress thread serves this holder (TH_NIXL_PROGRESS_THREAD=1)")
+        assert holder.needs_progress
         holder.pace(1e-3)
         xfer = reader.read(peer, [Pair(src.data_ptr(), dst.data_ptr(), src.nbytes)])
         calls = Calls()
