@@ -12,14 +12,13 @@ Defaults (the figures behind them: docs/design.md, "Measurements behind the defa
   InfiniBand device (there UCX's IB module makes a process that created a backend die
   with SIGSEGV at exit); ``UCX_NET_DEVICES`` from the node's spec; a user's own
   ``UCX_*`` variables always win.
-- Who progresses UCX: on hosts without an NVIDIA device, NIXL's own UCX progress
-  thread, event-driven (``nixl_progress``, which says why not on CUDA hosts; the
-  wrapper's default makes it spin a full core, so we give it a 10 ms poll timeout and it
-  sleeps on the worker's event descriptors). Elsewhere, or with
-  ``TH_NIXL_PROGRESS_THREAD=0``, this engine's watcher thread calls ``progress`` at the
-  pace the endpoint sets (``Engine.pace``: every millisecond while peers are reading
-  us, every 10 ms while we hold memory nobody asked about, not at all otherwise), and
-  its checks of our own READs ride on the same wakes.
+- Who progresses UCX: this engine's watcher thread calls ``progress`` at the pace the
+  endpoint sets (``Engine.pace``: every millisecond while peers are reading us, every
+  10 ms while we hold memory nobody asked about, not at all otherwise), and its checks
+  of our own READs ride on the same wakes; NIXL's own UCX progress thread,
+  event-driven, only with ``TH_NIXL_PROGRESS_THREAD=1`` (``nixl_progress``, which says
+  why it is not the default: the wrapper's default makes it spin a full core, so we give
+  it a 10 ms poll timeout and it sleeps on the worker's event descriptors).
 - The passive side must progress: without it a holder never answers the rendezvous
   and a READ stays pending forever, over shared memory and TCP alike.
 - Transports are left to UCX (between processes of one host it picks shared memory).

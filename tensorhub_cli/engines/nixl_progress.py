@@ -17,55 +17,41 @@ thread runs. With it, the engine does not need ``progress`` calls
 (``NixlEngine.needs_progress`` False); without it, the watcher calls ``progress`` at
 the endpoint's pace (``Engine.pace``).
 
-When. ``TH_NIXL_PROGRESS_THREAD=1`` or ``0`` decides outright. Otherwise the thread
-runs only on hosts without an NVIDIA device (``/dev/nvidia<N>``): on CUDA hosts it
-would arm UCX's ``cuda_copy`` transport from a thread with no CUDA context, which NIXL
-issue #2102 reports crashing with SIGSEGV (there RDMA reads need no progress from the
-holder anyway, and the watcher keeps the TCP and shared-memory fallbacks moving).
-History: from 2026-12-06 to 2026-12-07 the thread ran only when asked, because with a
-chain read in fragments (1 MiB reads, 17 ms at 500 Mbit/s) its reads were noticed late
-and N = 7 took 2.85–3.07 s against 2.55–2.76 s. The watcher has since learned to
-predict a read's end and to check near it (``engines.watcher``), and UCX's TCP
-segments grew (``nixl_shim.TCP_SEGMENTS``): interleaved on the 8-node testbed, N = 7,
-128 MiB, the thread cost 3.28 and 3.21 CPU-s per GiB against the watcher's 3.81 and
-3.57 (−14 %, −10 %; 4 and 6 rounds an arm) for 2.472 against 2.452 s and 2.487 against
-2.451 s (+0.8 %, +1.5 %) (docs/design.md, "Measurements behind the defaults").
+When. Only with ``TH_NIXL_PROGRESS_THREAD=1``; by default (or ``0``) the watcher
+progresses, on every host. Two reasons. On CUDA hosts the thread arms UCX's
+``cuda_copy`` transport from a thread with no CUDA context, which NIXL issue #2102
+reports crashing with SIGSEGV (there RDMA reads need no progress from the holder
+anyway). And since a chain's chunks are read in fragments (``endpoint.reader``), reads
+are short (17 ms for 1 MiB at 500 Mbit/s), and the thread noticed their ends late: on
+the 8-node testbed, N = 7, the watcher found a read over a median 3.5 ms after the last
+check that found it pending, against 1.1 ms with the service thread's progress (the
+watcher's checks drove UCX themselves), and the version took 2.85–3.07 s against 2.55–2.76 s
+(docs/design.md, "Fragments"). Measured again once the watcher predicted ends and UCX's
+TCP segments grew: 10–14 % less CPU for 1–1.5 % more time, but with it one testbed
+test's plain fetch stalled in 2 runs of 20 (none in 10 without), not explained yet
+(docs/design.md, "Measurements behind the defaults"), so it stays opt-in.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
-from pathlib import Path
 from types import ModuleType
-from typing import Mapping, Optional
+from typing import Mapping
 
 ENV = "TH_NIXL_PROGRESS_THREAD"
 DELAY_US = 10_000  # the thread's poll timeout: a missed wake-up costs at most this
 WATCH_CEILING_S = 4e-3  # the watcher's back-off ceiling with the thread (engines.watcher)
-DEV = Path("/dev")
-_NVIDIA = re.compile(r"nvidia\d+$")
 log = logging.getLogger("tensorhub.nixl")
 _build = threading.Lock()  # (one agent built at a time: the wrapper's module is patched meanwhile)
 
 
-def cuda_host(dev: Optional[Path] = None) -> bool:
-    """Whether the host has an NVIDIA GPU device node (``/dev/nvidia0`` …)."""
-    try:
-        return any(_NVIDIA.match(p.name) for p in Path(dev or DEV).iterdir())
-    except OSError:
-        return False
-
-
-def wanted(environ: Mapping[str, str], dev: Optional[Path] = None) -> bool:
+def wanted(environ: Mapping[str, str]) -> bool:
     """Run NIXL's progress thread in this process? (See the module's docstring.)"""
     value = environ.get(ENV, "").strip()
-    if value in ("0", "1"):
+    if value in ("", "0", "1"):
         return value == "1"
-    if value:
-        raise ValueError(f"{ENV}: want 0 or 1, got {value!r}")
-    return not cuda_host(dev)
+    raise ValueError(f"{ENV}: want 0 or 1, got {value!r}")
 
 
 class _Delayed:

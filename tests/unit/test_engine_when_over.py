@@ -422,8 +422,8 @@ def test_pace_is_refused_without_serve_and_does_nothing_after_close(caplog):
 def test_a_paced_nixl_holder_serves_a_real_read_with_nobody_calling_progress(monkeypatch):
     """Over UCX's TCP or shared-memory transport a holder's worker must be progressed
     (test_nixl_progress: without it the READ stays pending); where NIXL's progress thread
-    does not (CUDA hosts, or ``TH_NIXL_PROGRESS_THREAD=0``) ``pace`` has the holder's own
-    watcher do it."""
+    does not (by default; set to 0 here, whatever the caller's environment says)
+    ``pace`` has the holder's own watcher do it."""
     monkeypatch.setenv("TH_NIXL_PROGRESS_THREAD", "0")
     with nixl_pair() as (holder, reader, peer, src, dst):
         assert holder.needs_progress
