@@ -61,8 +61,8 @@ def start_ticks(pid: int) -> int:
     """The kernel's start time of process ``pid``, in clock ticks since boot.
     Raises ``psutil.NoSuchProcess`` when there is no such process."""
     # Read from /proc, not derived from psutil's create_time() less boot_time(): both
-    # are wall-clock (btime moves when the clock is stepped), and a step between the
-    # two reads put one CI run 100 ticks off, so a live process was "not ours".
+    # are wall-clock (btime moves when the clock is stepped); the likely cause of one
+    # CI run finding a process it had just started "not ours" (100 ticks off).
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(stat_fields(f.read())[19])
