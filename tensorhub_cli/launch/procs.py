@@ -62,7 +62,7 @@ def start_ticks(pid: int) -> int:
     Raises ``psutil.NoSuchProcess`` when there is no such process."""
     # Read from /proc, not derived from psutil's create_time() less boot_time(): both
     # are wall-clock (btime moves when the clock is stepped); the likely cause of one
-    # CI run finding a process it had just started "not ours" (100 ticks off).
+    # CI run finding a process it had just started "not ours".
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(stat_fields(f.read())[19])
